@@ -1,0 +1,153 @@
+"""Real servers for tests: start on a free loopback port, kill -9, restart, pause.
+
+:class:`ServerProcess` is the controller the ``faults`` group drives; the
+project's Redis and etcd controllers subclass it (``redis_server.py``,
+``etcd_server.py``) and the fixtures ``rdzv_server_redis`` / ``rdzv_server_etcd``
+below start one per test session. A third-party backend's author can subclass
+it the same way and expose a ``rdzv_server_NAME`` fixture.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from typing import Iterator, Sequence
+
+import pytest
+
+__all__ = ["ServerProcess", "free_port", "wait_for_port", "rdzv_server_redis", "rdzv_server_etcd"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, deadline: float) -> bool:
+    """Poll until ``host:port`` accepts a TCP connection or ``deadline`` (monotonic) passes."""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+class ServerProcess:
+    """A server process on ``127.0.0.1:port`` with its own data directory.
+
+    Subclasses implement :meth:`command` (the argv) and may override
+    :meth:`ready` (default: the port accepts connections). The port and data
+    directory stay the same across :meth:`kill` / :meth:`start`, so a restart
+    is the same server coming back.
+
+    Attributes:
+        host: ``"127.0.0.1"``.
+        port: the TCP port (int).
+        data_dir: a private temporary directory (str).
+    """
+
+    name = "server"
+    start_timeout = 30.0
+
+    def __init__(self) -> None:
+        self.host = "127.0.0.1"
+        self.port = free_port(self.host)
+        self.data_dir = tempfile.mkdtemp(prefix=f"rdzv-{self.name}-")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = os.path.join(self.data_dir, "server.log")
+
+    @property
+    def address(self) -> str:
+        """``"HOST:PORT"`` for URLs."""
+        return f"{self.host}:{self.port}"
+
+    def command(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def ready(self) -> bool:
+        return wait_for_port(self.host, self.port, time.monotonic() + 0.5)
+
+    def start(self) -> None:
+        """Start (or restart) the server and wait until it serves, or raise ``RuntimeError``."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            list(self.command()), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        log.close()
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if self.ready():
+                return
+        raise RuntimeError(f"{self.name} did not start on {self.address}; log: {self.tail_log()}")
+
+    def kill(self) -> None:
+        """SIGKILL the server and wait for it to be gone."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.resume()
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def pause(self) -> None:
+        """SIGSTOP the server: it keeps its sockets but answers nothing."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT a paused server."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Stop the server for good and remove its data directory."""
+        self.kill()
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def tail_log(self, lines: int = 20) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+        except OSError:
+            return "(no log)"
+
+
+def _session_server(cls: type[ServerProcess]) -> Iterator[ServerProcess]:
+    server = cls()
+    try:
+        server.start()
+    except (FileNotFoundError, RuntimeError) as exc:
+        server.stop()
+        pytest.fail(f"could not start {cls.name}: {exc}")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def rdzv_server_redis() -> Iterator[ServerProcess]:
+    """A real ``redis-server`` for the session (``{server:redis}``)."""
+    from .redis_server import RedisServer
+
+    yield from _session_server(RedisServer)
+
+
+@pytest.fixture(scope="session")
+def rdzv_server_etcd() -> Iterator[ServerProcess]:
+    """A real ``etcd`` (3.5, v2 API enabled) for the session (``{server:etcd}``)."""
+    from .etcd_server import EtcdServer
+
+    yield from _session_server(EtcdServer)

@@ -1,0 +1,173 @@
+"""Every error that ``rdzv`` raises, in one hierarchy.
+
+::
+
+    RdzvError
+    ├── KVError                      a key-value backend operation failed
+    │   ├── KeyExists                create() on a key that is present
+    │   ├── KeyNotFound              CAS / refresh / compare_and_delete on an absent key
+    │   ├── CompareFailed            the entry's revision is not the expected one
+    │   ├── HistoryCompacted         watch() can no longer serve events after a revision
+    │   ├── ValueTooLarge            a value exceeds the backend's ``max_value_bytes``
+    │   ├── BackendClosed            the backend was closed by its owner
+    │   └── BackendUnavailable       the server cannot be used right now
+    │       ├── BackendConnectionError   connection refused / lost
+    │       └── BackendTimeout           the server did not answer in time
+    ├── ConfigError (also ValueError)    bad input: names ``field`` and ``value``
+    │   ├── InvalidKeyError          a key or prefix outside the key grammar
+    │   ├── InvalidURLError          a rendezvous URL or one of its query values
+    │   └── UnknownBackendError      no installed backend claims the URL's scheme
+    ├── PluginError                  two distributions claim one scheme
+    └── RendezvousStateError         the stored rendezvous state is corrupt
+
+The rendezvous handler maps these onto torch's ``RendezvousClosedError``,
+``RendezvousTimeoutError``, ``RendezvousConnectionError`` and
+``RendezvousStateError`` (see :mod:`rdzv_core.handler`); this module itself does
+not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "RdzvError",
+    "KVError",
+    "KeyExists",
+    "KeyNotFound",
+    "CompareFailed",
+    "HistoryCompacted",
+    "ValueTooLarge",
+    "BackendClosed",
+    "BackendUnavailable",
+    "BackendConnectionError",
+    "BackendTimeout",
+    "ConfigError",
+    "InvalidKeyError",
+    "InvalidURLError",
+    "UnknownBackendError",
+    "PluginError",
+    "RendezvousStateError",
+]
+
+
+class RdzvError(Exception):
+    """Base class of every error raised by ``rdzv``."""
+
+
+class KVError(RdzvError):
+    """A key-value backend operation failed.
+
+    Attributes:
+        key: the key (or prefix) the operation was about, or ``None``.
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
+
+
+class KeyExists(KVError):
+    """``create`` found the key already present."""
+
+
+class KeyNotFound(KVError):
+    """The key is absent (never written, deleted, or its TTL ran out)."""
+
+
+class CompareFailed(KVError):
+    """The entry's current revision differs from ``expected_revision``.
+
+    Attributes:
+        expected_revision: what the caller expected (int).
+        actual_revision: what the backend holds (int), when it said so, else ``None``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        key: str | None = None,
+        expected_revision: int | None = None,
+        actual_revision: int | None = None,
+    ) -> None:
+        super().__init__(message, key)
+        self.expected_revision = expected_revision
+        self.actual_revision = actual_revision
+
+
+class HistoryCompacted(KVError):
+    """``watch`` cannot serve events after ``after_revision`` any more.
+
+    The caller re-reads the current state (``get``/``list``) and watches again from
+    the revision it read.
+    """
+
+
+class ValueTooLarge(KVError):
+    """A value is larger than the backend's ``Capabilities.max_value_bytes``.
+
+    Raised before anything is written.
+    """
+
+
+class BackendClosed(KVError):
+    """The backend object was closed; open a new one."""
+
+
+class BackendUnavailable(KVError):
+    """The backend's server cannot be used right now (transient)."""
+
+
+class BackendConnectionError(BackendUnavailable):
+    """Connection refused, reset or lost."""
+
+
+class BackendTimeout(BackendUnavailable):
+    """The server did not answer within the operation's deadline."""
+
+
+class ConfigError(RdzvError, ValueError):
+    """Bad input. The message names the field and the offending value.
+
+    Attributes:
+        field: name of the setting, query key or argument (str).
+        value: the rejected value, already redacted where it is a secret.
+    """
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid value for {field!r}: {value!r}: {reason}")
+
+
+class InvalidKeyError(ConfigError):
+    """A key or prefix does not follow the key grammar of :mod:`rdzv_core.kv`."""
+
+
+class InvalidURLError(ConfigError):
+    """A rendezvous URL, or one of its parts or query values, is invalid."""
+
+
+class UnknownBackendError(ConfigError):
+    """No installed backend claims the URL's scheme.
+
+    The message lists the known schemes and, where one is known, the extra or
+    package that would add the requested scheme.
+    """
+
+
+class PluginError(RdzvError):
+    """The plugin registry is inconsistent (e.g. a scheme claimed twice)."""
+
+
+class RendezvousStateError(RdzvError):
+    """The rendezvous state stored in the backend is corrupt or unexpected.
+
+    Attributes:
+        key: the backend key holding the bad state (str or ``None``).
+    """
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key

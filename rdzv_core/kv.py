@@ -1,0 +1,442 @@
+"""The key-value protocol: the one contract between rendezvous logic and backends.
+
+Everything above this module (the rendezvous state machine, the c10d Store, the
+handler) talks to a backend only through :class:`KVBackend`; every backend
+(memory, file, etcd v2, etcd v3, Redis, third-party plugins) implements it and
+nothing more.
+
+Keys
+    ``str`` paths of ``/``-separated segments, e.g. ``"torchelastic/p2p/run_1/rdzv/active"``.
+    A segment is 1-255 characters from ``A-Z a-z 0-9 _ - . = % + : @ ~`` and is
+    neither ``.`` nor ``..``; there is no leading, trailing or doubled ``/``. A
+    key is at most 1,024 characters. Arbitrary data (user keys, run ids) becomes
+    a segment with :func:`escape_segment`, which cannot produce ``/``.
+Prefixes
+    ``""`` (the whole keyspace) or a key followed by ``/``; they select the keys
+    below them (string-prefix match).
+Values
+    ``bytes``; at most ``capabilities.max_value_bytes`` (else :class:`ValueTooLarge`,
+    raised before anything is written).
+Revisions
+    Every write (create, put, compare-and-swap, add, delete, expiry) advances a
+    keyspace-wide revision counter; :attr:`Entry.revision` is the revision of the
+    entry's last modification (etcd's ``modifiedIndex`` / ``mod_revision``).
+    Revisions are positive ints, strictly increasing in the order writes took
+    effect. ``refresh`` does not change the value; a backend may advance the
+    entry's revision on refresh (etcd v2 does), and it emits no event.
+TTL
+    float seconds > 0, or ``None`` for a key that lives until deleted. Expiry is
+    judged by the server (or, for server-less backends, the host's clock) and is
+    visible to ``watch`` as a :attr:`EventType.DELETE` event. Writing a key with
+    ``ttl=None`` removes any TTL it had.
+Watch
+    ``watch(prefix, after_revision, timeout)`` returns the events under ``prefix``
+    with revision > ``after_revision`` (in revision order), blocking until there
+    is at least one or ``timeout`` seconds pass (then ``[]``). A backend may
+    return fewer events than exist (callers re-read and watch again) but never
+    an event at or below ``after_revision``. :class:`HistoryCompacted` means the
+    history after ``after_revision`` is gone: re-read, then watch from the
+    revision read.
+
+The errors are drawn in :mod:`rdzv_core.errors`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import re
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from .errors import BackendClosed, InvalidKeyError, KVError, ValueTooLarge
+
+__all__ = [
+    "Entry",
+    "EventType",
+    "Event",
+    "Capabilities",
+    "KVBackend",
+    "escape_segment",
+    "unescape_segment",
+    "join_key",
+    "check_key",
+    "check_prefix",
+    "wait_for_change",
+    "parse_counter",
+]
+
+MAX_KEY_CHARS = 1024
+_SEGMENT = re.compile(r"[A-Za-z0-9_\-.=%+:@~]{1,255}")
+_SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored key.
+
+    Attributes:
+        key: the key (str, see the key grammar).
+        value: the stored bytes.
+        revision: keyspace revision of the entry's last modification (int > 0).
+    """
+
+    key: str
+    value: bytes
+    revision: int
+
+
+class EventType(enum.Enum):
+    """What happened to a key: ``PUT`` (created or changed) or ``DELETE``
+    (deleted, compare-and-deleted or expired)."""
+
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True)
+class Event:
+    """One change seen by :meth:`KVBackend.watch`.
+
+    Attributes:
+        type: :class:`EventType`.
+        key: the key that changed.
+        revision: the keyspace revision of the change (int > 0).
+        value: the new value for ``PUT``; ``None`` for ``DELETE``.
+    """
+
+    type: EventType
+    key: str
+    revision: int
+    value: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do, as data that tests and users can ask.
+
+    Attributes:
+        multi_host: agents on different hosts can meet through it.
+        server_side_ttl: TTLs are judged by a server's clock, not the clients'.
+        native_watch: watches are pushed by the server (not polled).
+        persistent: state survives the end of the process that wrote it.
+        tls: the backend can speak TLS (``protocol=https`` / ``rediss://``).
+        auth: the backend accepts a user and password from the URL.
+        max_value_bytes: the largest value accepted (bytes), ``None`` if unlimited.
+        ttl_resolution: how late (seconds) an expiry may be observed by watch.
+    """
+
+    multi_host: bool
+    server_side_ttl: bool
+    native_watch: bool
+    persistent: bool
+    tls: bool = False
+    auth: bool = False
+    max_value_bytes: int | None = None
+    ttl_resolution: float = 0.5
+
+    def as_dict(self) -> dict[str, object]:
+        """The capabilities as a plain ``dict`` (for JSON and tables)."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
+
+
+def escape_segment(data: str | bytes) -> str:
+    """Encode arbitrary data as one key segment (reversible, never contains ``/``).
+
+    Args:
+        data: ``str`` (encoded as UTF-8) or ``bytes``, any length including 0.
+
+    Returns:
+        ``"="`` followed by the bytes, where every byte outside ``A-Za-z0-9_-``
+        is written ``%XX``. E.g. ``escape_segment("a/b")`` is ``"=a%2Fb"``.
+
+    Raises:
+        InvalidKeyError: if the escaped form exceeds 255 characters.
+    """
+    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
+    out = "=" + "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in raw)
+    if len(out) > 255:
+        raise InvalidKeyError("key", data[:40], f"too long once escaped ({len(out)} > 255 characters)")
+    return out
+
+
+def unescape_segment(segment: str) -> bytes:
+    """Invert :func:`escape_segment`; returns the original bytes.
+
+    Raises:
+        InvalidKeyError: if ``segment`` was not produced by :func:`escape_segment`.
+    """
+    if not segment.startswith("="):
+        raise InvalidKeyError("segment", segment, "not an escaped segment (must start with '=')")
+    out = bytearray()
+    i = 1
+    while i < len(segment):
+        ch = segment[i]
+        if ch == "%":
+            try:
+                out.append(int(segment[i + 1 : i + 3], 16))
+            except ValueError:
+                raise InvalidKeyError("segment", segment, f"bad escape at offset {i}") from None
+            i += 3
+        else:
+            out.append(ord(ch))
+            i += 1
+    return bytes(out)
+
+
+def check_key(key: str, field_name: str = "key") -> str:
+    """Return ``key`` if it follows the key grammar, else raise :class:`InvalidKeyError`."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(field_name, key, "keys are str")
+    if not key or len(key) > MAX_KEY_CHARS:
+        raise InvalidKeyError(field_name, key, f"length must be 1..{MAX_KEY_CHARS} characters")
+    for seg in key.split("/"):
+        if seg in (".", "..") or not _SEGMENT.fullmatch(seg):
+            raise InvalidKeyError(
+                field_name, key, f"segment {seg!r} is empty, '.'/'..', too long or has characters "
+                "outside A-Za-z0-9_-.=%+:@~ (use escape_segment)"
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it is ``""`` or a valid key followed by ``/``."""
+    if prefix == "":
+        return prefix
+    if not isinstance(prefix, str) or not prefix.endswith("/"):
+        raise InvalidKeyError("prefix", prefix, "a prefix is '' or a key followed by '/'")
+    check_key(prefix[:-1], "prefix")
+    return prefix
+
+
+def join_key(*parts: str) -> str:
+    """Join key parts (each a key or segment, possibly with surrounding ``/``)."""
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def _check_ttl(ttl: float | None) -> float | None:
+    if ttl is None:
+        return None
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
+        raise InvalidKeyError("ttl", ttl, "a TTL is a finite number of seconds > 0, or None")
+    return float(ttl)
+
+
+def _check_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise InvalidKeyError("timeout", timeout, "a timeout is a number of seconds >= 0")
+    return float(timeout)
+
+
+class KVBackend(abc.ABC):
+    """Base class of every backend: validates arguments, then calls the ``_do_*`` hooks.
+
+    Subclasses implement the ``_do_*`` methods (arguments already validated) and set
+    :attr:`capabilities`. All methods are thread-safe and synchronous. Transient
+    server trouble raises :class:`~rdzv_core.errors.BackendUnavailable` subclasses
+    within the operation's deadline; nothing retries forever.
+    """
+
+    #: What this backend can do; subclasses override.
+    capabilities: Capabilities = Capabilities(
+        multi_host=False, server_side_ttl=False, native_watch=False, persistent=False
+    )
+
+    _closed: bool = False
+
+    # -- public API (validation lives here, once for every backend) -------------
+    def get(self, key: str) -> Entry | None:
+        """Return the entry at ``key`` or ``None`` if absent or expired."""
+        self._check_open()
+        return self._do_get(check_key(key))
+
+    def list(self, prefix: str) -> tuple[list[Entry], int]:
+        """Return ``(entries below prefix sorted by key, keyspace revision at read time)``."""
+        self._check_open()
+        return self._do_list(check_prefix(prefix))
+
+    def create(self, key: str, value: bytes, ttl: float | None = None) -> Entry:
+        """Write ``key`` only if absent; return the new entry.
+
+        Raises:
+            KeyExists: the key is present.
+        """
+        self._check_open()
+        return self._do_create(check_key(key), self._check_value(key, value), _check_ttl(ttl))
+
+    def put(self, key: str, value: bytes, ttl: float | None = None) -> Entry:
+        """Write ``key`` unconditionally; return the new entry."""
+        self._check_open()
+        return self._do_put(check_key(key), self._check_value(key, value), _check_ttl(ttl))
+
+    def compare_and_swap(
+        self, key: str, value: bytes, expected_revision: int, ttl: float | None = None
+    ) -> Entry:
+        """Replace ``key``'s value if its revision is ``expected_revision``.
+
+        Raises:
+            KeyNotFound: the key is absent.
+            CompareFailed: the key's revision differs.
+        """
+        self._check_open()
+        return self._do_compare_and_swap(
+            check_key(key), self._check_value(key, value), _check_revision(expected_revision), _check_ttl(ttl)
+        )
+
+    def compare_and_delete(self, key: str, expected_revision: int) -> None:
+        """Delete ``key`` if its revision is ``expected_revision``.
+
+        Raises:
+            KeyNotFound: the key is absent.
+            CompareFailed: the key's revision differs.
+        """
+        self._check_open()
+        self._do_compare_and_delete(check_key(key), _check_revision(expected_revision))
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key``; return whether it existed."""
+        self._check_open()
+        return self._do_delete(check_key(key))
+
+    def refresh(self, key: str, ttl: float) -> None:
+        """Restart ``key``'s TTL at ``ttl`` seconds without changing its value.
+
+        Raises:
+            KeyNotFound: the key is absent (for example its TTL already ran out).
+        """
+        self._check_open()
+        checked = _check_ttl(ttl)
+        if checked is None:
+            raise InvalidKeyError("ttl", ttl, "refresh needs a TTL")
+        self._do_refresh(check_key(key), checked)
+
+    def add(self, key: str, delta: int) -> int:
+        """Atomically add ``delta`` to the decimal integer at ``key``; return the sum.
+
+        An absent key counts as 0. The value is stored as ASCII decimal bytes
+        (``b"5"``), as c10d's ``Store.add`` does.
+
+        Raises:
+            KVError: the present value is not a decimal integer.
+        """
+        self._check_open()
+        if isinstance(delta, bool) or not isinstance(delta, int):
+            raise InvalidKeyError("delta", delta, "add() takes an int")
+        return self._do_add(check_key(key), delta)
+
+    def watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
+        """Wait for changes under ``prefix`` after ``after_revision`` (see module doc).
+
+        Args:
+            prefix: ``""`` or a key followed by ``/``.
+            after_revision: only events with a larger revision are returned (int >= 0).
+            timeout: seconds to wait at most; ``[]`` when nothing happened in time.
+
+        Raises:
+            HistoryCompacted: events after ``after_revision`` are no longer available.
+        """
+        self._check_open()
+        if isinstance(after_revision, bool) or not isinstance(after_revision, int) or after_revision < 0:
+            raise InvalidKeyError("after_revision", after_revision, "a revision is an int >= 0")
+        return self._do_watch(check_prefix(prefix), after_revision, _check_timeout(timeout))
+
+    def close(self) -> None:
+        """Release connections and threads; later calls raise :class:`BackendClosed`."""
+        if not self._closed:
+            self._closed = True
+            self._do_close()
+
+    def __enter__(self) -> "KVBackend":
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- helpers ---------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendClosed(f"{type(self).__name__} is closed")
+
+    def _check_value(self, key: str, value: bytes) -> bytes:
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise InvalidKeyError("value", type(value).__name__, "values are bytes")
+        value = bytes(value)
+        limit = self.capabilities.max_value_bytes
+        if limit is not None and len(value) > limit:
+            raise ValueTooLarge(
+                f"value of {len(value)} bytes for key {key!r} exceeds this backend's limit of {limit} bytes",
+                key,
+            )
+        return value
+
+    # -- what backends implement -----------------------------------------------
+    @abc.abstractmethod
+    def _do_get(self, key: str) -> Entry | None: ...
+
+    @abc.abstractmethod
+    def _do_list(self, prefix: str) -> tuple[list[Entry], int]: ...
+
+    @abc.abstractmethod
+    def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry: ...
+
+    @abc.abstractmethod
+    def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry: ...
+
+    @abc.abstractmethod
+    def _do_compare_and_swap(self, key: str, value: bytes, expected_revision: int, ttl: float | None) -> Entry: ...
+
+    @abc.abstractmethod
+    def _do_compare_and_delete(self, key: str, expected_revision: int) -> None: ...
+
+    @abc.abstractmethod
+    def _do_delete(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def _do_refresh(self, key: str, ttl: float) -> None: ...
+
+    @abc.abstractmethod
+    def _do_add(self, key: str, delta: int) -> int: ...
+
+    @abc.abstractmethod
+    def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]: ...
+
+    @abc.abstractmethod
+    def _do_close(self) -> None: ...
+
+
+def _check_revision(revision: int) -> int:
+    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
+        raise InvalidKeyError("expected_revision", revision, "a revision is an int >= 1")
+    return revision
+
+
+def parse_counter(key: str, raw: bytes) -> int:
+    """Parse a value written by ``add`` (ASCII decimal); raise :class:`KVError` if it is not one."""
+    try:
+        return int(raw.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        raise KVError(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key) from None
+
+
+def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: float) -> bool:
+    """Block until something under ``prefix`` changes after ``after_revision``, or ``deadline``.
+
+    Args:
+        deadline: absolute ``time.monotonic()`` value.
+
+    Returns:
+        ``True`` if a change (or lost history, which callers treat the same way:
+        re-read) was seen, ``False`` at the deadline.
+    """
+    from .errors import HistoryCompacted
+
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        return False
+    try:
+        return bool(kv.watch(prefix, after_revision, remaining))
+    except HistoryCompacted:
+        return True
+

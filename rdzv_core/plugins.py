@@ -1,0 +1,197 @@
+"""Backend registry on pluggy; built-in backends register through the same hook as plugins.
+
+A plugin is any object with a :func:`hookimpl`-marked ``rdzv_register_backends``
+function, published under the entry-point group ``rdzv``::
+
+    # pyproject.toml of a plugin distribution
+    [project.entry-points.rdzv]
+    postgres = "rdzv_postgres:plugin"
+
+    # rdzv_postgres/__init__.py
+    from rdzv_core.plugins import BackendSpec, hookimpl
+
+    class plugin:
+        @staticmethod
+        @hookimpl
+        def rdzv_register_backends():
+            return [BackendSpec(schemes=("postgresql",), open=_open, capabilities=..., ...)]
+
+Rules (after conda's plugin manager): two distributions claiming one scheme is a
+:class:`~rdzv_core.errors.PluginError` naming both; a plugin that fails to load
+logs a warning and the others keep working; an unknown scheme raises
+:class:`~rdzv_core.errors.UnknownBackendError` listing the known schemes and,
+for the built-in ones not installed, the extra that adds them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import pluggy
+
+from .errors import PluginError, UnknownBackendError
+from .kv import Capabilities, KVBackend
+from .url import Converter, RendezvousURL
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "hookimpl",
+    "hookspec",
+    "BackendSpec",
+    "BackendInfo",
+    "Registry",
+    "get_registry",
+]
+
+log = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "rdzv"
+hookspec = pluggy.HookspecMarker(ENTRY_POINT_GROUP)
+hookimpl = pluggy.HookimplMarker(ENTRY_POINT_GROUP)
+
+#: Schemes this project ships whose client may be missing, and what adds them.
+KNOWN_EXTRAS: dict[str, str] = {
+    "etcd": "pip install 'rdzv[etcd-v2]'",
+    "etcd-v2": "pip install 'rdzv[etcd-v2]'",
+    "etcd-v3": "pip install 'rdzv[etcd-v3]'",
+    "etcd3": "pip install 'rdzv[etcd-v3]'",
+    "redis": "pip install 'rdzv[redis]'",
+    "rediss": "pip install 'rdzv[redis]'",
+    "postgresql": "pip install rdzv-postgres (examples/rdzv-postgres)",
+}
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """What a plugin tells the registry about one backend.
+
+    Attributes:
+        schemes: URL schemes it serves, the first being its name (e.g. ``("etcd-v3", "etcd3")``).
+        open: factory ``(RendezvousURL) -> KVBackend``; imports the client library
+            lazily so that registering costs nothing.
+        capabilities: :class:`~rdzv_core.kv.Capabilities`.
+        default_port: port used for hosts without one (int or ``None``).
+        query_keys: backend-specific query keys -> converter ``(field, raw) -> value``.
+        requires_host: URLs of this scheme must name a host.
+        description: one line for ``rdzv backends``.
+    """
+
+    schemes: tuple[str, ...]
+    open: Callable[[RendezvousURL], KVBackend]
+    capabilities: Capabilities
+    default_port: int | None = None
+    query_keys: Mapping[str, Converter] = field(default_factory=dict)
+    requires_host: bool = False
+    description: str = ""
+
+    @property
+    def name(self) -> str:
+        """The backend's name: its first scheme."""
+        return self.schemes[0]
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A registered backend: its spec and the distribution that provides it."""
+
+    spec: BackendSpec
+    distribution: str
+
+
+class _HookSpecs:
+    @hookspec
+    def rdzv_register_backends(self) -> Sequence[BackendSpec]:  # type: ignore[empty-body]
+        """Return the :class:`BackendSpec` objects this plugin provides.
+
+        Called once per process, when the registry first loads (the first
+        ``open_backend``/``create_handler``/``list_backends`` call). Since 0.1.
+        """
+
+
+class Registry:
+    """The schemes known in this process, loaded from the ``rdzv`` entry points."""
+
+    def __init__(self) -> None:
+        self._pm = pluggy.PluginManager(ENTRY_POINT_GROUP)
+        self._pm.add_hookspecs(_HookSpecs)
+        self._by_scheme: dict[str, BackendInfo] = {}
+        self._loaded = False
+        self._lock = threading.Lock()
+        self.load_errors: dict[str, str] = {}
+
+    def register(self, plugin: Any, distribution: str) -> None:
+        """Register a plugin object directly (tests and embedders); entry points do the same."""
+        with self._lock:
+            self._add(plugin, distribution)
+
+    def _add(self, plugin: Any, distribution: str) -> None:
+        name = f"{distribution}:{getattr(plugin, '__name__', type(plugin).__name__)}"
+        if self._pm.has_plugin(name):
+            name = f"{name}:{id(plugin)}"
+        self._pm.register(plugin, name=name)
+        for impl in self._pm.hook.rdzv_register_backends.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            for spec in impl.function():
+                if not isinstance(spec, BackendSpec):
+                    raise PluginError(f"{distribution!r} returned {spec!r}, not a BackendSpec")
+                for scheme in spec.schemes:
+                    other = self._by_scheme.get(scheme)
+                    if other is not None:
+                        raise PluginError(
+                            f"scheme {scheme!r} is claimed by two distributions: "
+                            f"{other.distribution!r} and {distribution!r}; uninstall one of them"
+                        )
+                    self._by_scheme[scheme] = BackendInfo(spec, distribution)
+
+    def _load(self) -> None:
+        with self._lock:
+            if self._loaded:
+                return
+            self._loaded = True
+            for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+                dist = ep.dist.name if ep.dist is not None else "unknown"
+                try:
+                    plugin = ep.load()
+                except Exception as exc:  # a broken plugin must not break the others
+                    self.load_errors[ep.name] = f"{type(exc).__name__}: {exc}"
+                    log.warning("rdzv plugin %r from %s failed to load: %s", ep.name, dist, exc)
+                    continue
+                self._add(plugin, dist)
+
+    def backends(self) -> dict[str, BackendInfo]:
+        """Scheme -> :class:`BackendInfo` for every registered scheme."""
+        self._load()
+        return dict(sorted(self._by_scheme.items()))
+
+    def lookup(self, scheme: str) -> BackendInfo:
+        """The backend for ``scheme``.
+
+        Raises:
+            UnknownBackendError: no installed backend claims it; lists the known ones.
+        """
+        known = self.backends()
+        info = known.get(scheme)
+        if info is None:
+            hint = f" ({KNOWN_EXTRAS[scheme]} adds it)" if scheme in KNOWN_EXTRAS else ""
+            raise UnknownBackendError(
+                "scheme", scheme, f"was not recognized{hint}. Choose one of: {', '.join(known) or '(none)'}"
+            )
+        return info
+
+
+_REGISTRY: Registry | None = None
+_REGISTRY_LOCK = threading.Lock()
+
+
+def get_registry() -> Registry:
+    """The process-wide :class:`Registry` (created on first use)."""
+    global _REGISTRY
+    with _REGISTRY_LOCK:
+        if _REGISTRY is None:
+            _REGISTRY = Registry()
+        return _REGISTRY

@@ -1,0 +1,281 @@
+"""Rendezvous URLs: one form for every backend.
+
+::
+
+    SCHEME://[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]/[PATH/]RUN_ID?key=value&...
+
+The run id is always the last path segment; what comes between the host list
+and the run id is ``path`` (the directory for ``file://``). IPv6 hosts are
+bracketed (``[::1]:2379``); a host without a port takes the scheme's default.
+
+Every query key is converted by one table (:data:`RENDEZVOUS_QUERY_KEYS`, plus
+the backend's own ``BackendSpec.query_keys``); a bad key or value raises
+:class:`~rdzv_core.errors.InvalidURLError` naming the field and the value.
+The password never appears in ``repr``, ``str`` or any error message.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from .errors import InvalidURLError
+
+__all__ = [
+    "RendezvousURL",
+    "parse_url",
+    "RENDEZVOUS_QUERY_KEYS",
+    "QUERY_ALIASES",
+    "validate_run_id",
+    "to_int",
+    "to_positive_float",
+    "to_str",
+    "to_bool",
+]
+
+MAX_RUN_ID_CHARS = 128
+_RUN_ID = re.compile(r"[A-Za-z0-9_.\-=+:@~]+")
+_SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*")
+
+
+def to_int(field_name: str, raw: str, minimum: int = 0) -> int:
+    """Convert a query value to an int >= ``minimum`` or raise :class:`InvalidURLError`."""
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        raise InvalidURLError(field_name, raw, "not an integer") from None
+    if value < minimum:
+        raise InvalidURLError(field_name, raw, f"must be >= {minimum}")
+    return value
+
+
+def to_positive_float(field_name: str, raw: str) -> float:
+    """Convert a query value to a finite float > 0 (seconds) or raise :class:`InvalidURLError`."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise InvalidURLError(field_name, raw, "not a number of seconds") from None
+    if not (0 < value < float("inf")):
+        raise InvalidURLError(field_name, raw, "must be a finite number of seconds > 0")
+    return value
+
+
+def to_str(field_name: str, raw: str) -> str:
+    """Accept a non-empty string without control characters."""
+    if not raw or any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise InvalidURLError(field_name, raw, "must be a non-empty string without control characters")
+    return raw
+
+
+def to_bool(field_name: str, raw: str) -> bool:
+    """Accept 1/0, true/false, yes/no, on/off."""
+    low = raw.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise InvalidURLError(field_name, raw, "must be one of 1/0, true/false, yes/no, on/off")
+
+
+def _prefix(field_name: str, raw: str) -> str:
+    stripped = raw.strip("/")
+    parts = stripped.split("/") if stripped else []
+    for part in parts:
+        if part in ("", ".", "..") or not _RUN_ID.fullmatch(part):
+            raise InvalidURLError(field_name, raw, f"segment {part!r} is empty, '.'/'..' or has unsafe characters")
+    return stripped
+
+
+Converter = Callable[[str, str], Any]
+
+#: Query keys understood for every backend (canonical name -> converter).
+RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
+    "min_nodes": lambda f, v: to_int(f, v, 1),
+    "max_nodes": lambda f, v: to_int(f, v, 1),
+    "timeout": to_positive_float,
+    "last_call_timeout": to_positive_float,
+    "keep_alive_ttl": to_positive_float,
+    "prefix": _prefix,
+    "operation_timeout": to_positive_float,
+}
+
+#: Other names accepted for the canonical keys (the seed's and torch's names).
+QUERY_ALIASES: dict[str, str] = {
+    "min_workers": "min_nodes",
+    "max_workers": "max_nodes",
+    "etcd_prefix": "prefix",
+    "join_timeout": "timeout",
+}
+
+
+def validate_run_id(run_id: str) -> str:
+    """Return ``run_id`` if it is safe as one key segment, else raise :class:`InvalidURLError`.
+
+    A run id is 1-128 characters from ``A-Za-z0-9_.-=+:@~``, and not ``.`` or ``..``:
+    it can never escape its key prefix.
+    """
+    if not isinstance(run_id, str) or not run_id:
+        raise InvalidURLError("run_id", run_id, "missing: the run id is the URL's last path segment")
+    if len(run_id) > MAX_RUN_ID_CHARS:
+        raise InvalidURLError("run_id", run_id[:40] + "...", f"longer than {MAX_RUN_ID_CHARS} characters")
+    if run_id in (".", "..") or not _RUN_ID.fullmatch(run_id):
+        raise InvalidURLError(
+            "run_id", run_id, "may use only A-Z a-z 0-9 _ . - = + : @ ~ and must not be '.' or '..'"
+        )
+    return run_id
+
+
+@dataclass(frozen=True)
+class RendezvousURL:
+    """A parsed rendezvous URL.
+
+    Attributes:
+        scheme: lower-case scheme (``"etcd"``, ``"file"``, ...).
+        hosts: ``((host, port), ...)``; port ``None`` when neither given nor defaulted.
+        path: the segments between the host list and the run id, joined by ``/``
+            (``""`` if none); for ``file://`` the directory, without its leading ``/``.
+        run_id: the last path segment (``""`` when the URL ends with ``/`` and no
+            run id was required).
+        params: converted query values, by canonical key name.
+        username: user from the URL, or ``None``.
+        password: password from the URL, or ``None`` (never shown by ``repr``).
+    """
+
+    scheme: str
+    hosts: tuple[tuple[str, int | None], ...]
+    path: str
+    run_id: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def redacted(self) -> str:
+        """The URL as text with the password replaced by ``***``."""
+        auth = ""
+        if self.username is not None or self.password is not None:
+            auth = (self.username or "") + (":***" if self.password is not None else "") + "@"
+        hosts = ",".join(_format_host(h, p) for h, p in self.hosts)
+        path = "/".join(x for x in (self.path, self.run_id) if x)
+        query = urllib.parse.urlencode({k: v for k, v in self.params.items()})
+        return f"{self.scheme}://{auth}{hosts}/{path}" + (f"?{query}" if query else "")
+
+    def __str__(self) -> str:
+        return self.redacted()
+
+
+def _format_host(host: str, port: int | None) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return shown if port is None else f"{shown}:{port}"
+
+
+def _parse_host(item: str, default_port: int | None) -> tuple[str, int | None]:
+    if item.startswith("["):
+        end = item.find("]")
+        if end < 0:
+            raise InvalidURLError("host", item, "unterminated '[' in IPv6 address")
+        host, rest = item[1:end], item[end + 1 :]
+        if not host or not all(c in "0123456789abcdefABCDEF:." for c in host):
+            raise InvalidURLError("host", item, "not an IPv6 address")
+        if rest and not rest.startswith(":"):
+            raise InvalidURLError("host", item, "unexpected text after ']'")
+        port_text = rest[1:] if rest else None
+    else:
+        host, sep, port_text = item.partition(":")
+        if not sep:
+            port_text = None
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", host or ""):
+            raise InvalidURLError("host", item, "not a host name or address")
+    if port_text is None or port_text == "":
+        if port_text == "":
+            raise InvalidURLError("port", item, "empty port")
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise InvalidURLError("port", port_text, "must be an integer 1..65535")
+    return host, int(port_text)
+
+
+def parse_url(
+    url: str,
+    *,
+    default_port: int | None = None,
+    extra_keys: Mapping[str, Converter] | None = None,
+    require_host: bool = False,
+    require_run_id: bool = True,
+) -> RendezvousURL:
+    """Parse and validate a rendezvous URL.
+
+    Args:
+        url: the URL text.
+        default_port: port for hosts that give none (the scheme's default).
+        extra_keys: backend-specific query keys and their converters.
+        require_host: the scheme needs at least one host.
+        require_run_id: the URL must end with a run id.
+
+    Returns:
+        :class:`RendezvousURL`.
+
+    Raises:
+        InvalidURLError: naming the field (``url``, ``scheme``, ``host``, ``port``,
+            ``run_id``, a query key, ``min_nodes``/``max_nodes``) and the value.
+    """
+    if not isinstance(url, str):
+        raise InvalidURLError("url", type(url).__name__, "a rendezvous URL is a str")
+    if any(ord(c) < 32 or ord(c) == 127 for c in url):
+        raise InvalidURLError("url", _redact_text(url), "contains control characters")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise InvalidURLError("url", _redact_text(url), "expected SCHEME://HOSTS/RUN_ID")
+    scheme = scheme.lower()
+    if not _SCHEME.fullmatch(scheme):
+        raise InvalidURLError("scheme", scheme, "not a URL scheme")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise InvalidURLError("url", _redact_text(url), "fragments ('#...') are not allowed")
+    rest, _, query = rest.partition("?")
+    netloc, slash, path = rest.partition("/")
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, has_pw, pw = userinfo.partition(":")
+        username = urllib.parse.unquote(user) if user else None
+        password = urllib.parse.unquote(pw) if has_pw else None
+    hosts = tuple(_parse_host(h, default_port) for h in netloc.split(",")) if netloc else ()
+    if require_host and not hosts:
+        raise InvalidURLError("host", netloc, f"{scheme}:// needs at least one HOST[:PORT]")
+    segments = [urllib.parse.unquote(s) for s in path.split("/")] if slash else []
+    run_id = segments[-1] if segments else ""
+    if require_run_id or run_id:
+        validate_run_id(run_id)
+    path_part = "/".join(segments[:-1])
+    if any(s in ("", ".", "..") for s in segments[:-1]) and path_part:
+        raise InvalidURLError("path", path_part, "empty, '.' or '..' segments are not allowed")
+    params = _parse_query(query, extra_keys or {})
+    lo, hi = params.get("min_nodes"), params.get("max_nodes")
+    if lo is not None and hi is not None and lo > hi:
+        raise InvalidURLError("min_nodes", lo, f"greater than max_nodes={hi}")
+    return RendezvousURL(scheme, hosts, path_part, run_id, params, username, password)
+
+
+def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:
+    table = {**RENDEZVOUS_QUERY_KEYS, **extra}
+    params: dict[str, Any] = {}
+    try:
+        pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise InvalidURLError("query", query, "not key=value pairs joined by '&'") from None
+    for raw_key, raw_value in pairs:
+        key = QUERY_ALIASES.get(raw_key, raw_key)
+        if key not in table:
+            valid = ", ".join(sorted(set(table) | set(QUERY_ALIASES)))
+            raise InvalidURLError(raw_key, raw_value, f"unknown query key; valid keys: {valid}")
+        if key in params:
+            raise InvalidURLError(raw_key, raw_value, "given more than once")
+        params[key] = table[key](raw_key, raw_value)
+    return params
+
+
+def _redact_text(url: str) -> str:
+    """``url`` with any ``user:password@`` password replaced by ``***``."""
+    return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
