@@ -29,13 +29,15 @@ from .errors import (
     KVError,
     PluginError,
     RdzvError,
+    RendezvousClosed,
     RendezvousStateError,
+    RendezvousTimeout,
     UnknownBackendError,
     ValueTooLarge,
 )
 from .kv import Capabilities, Entry, Event, EventType, KVBackend, escape_segment, unescape_segment
 from .plugins import BackendInfo, BackendSpec, get_registry, hookimpl
-from .rendezvous import Rendezvous, RendezvousClosed, RendezvousParams, RendezvousTimeout
+from .rendezvous import Progress, Rendezvous, RendezvousParams, RoundResult
 from .url import RendezvousURL, parse_url
 
 if TYPE_CHECKING:
@@ -61,6 +63,8 @@ __all__ = [
     # rendezvous
     "Rendezvous",
     "RendezvousParams",
+    "RoundResult",
+    "Progress",
     "RendezvousClosed",
     "RendezvousTimeout",
     "RendezvousURL",

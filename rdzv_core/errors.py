@@ -18,6 +18,8 @@
     │   ├── InvalidURLError          a rendezvous URL or one of its query values
     │   └── UnknownBackendError      no installed backend claims the URL's scheme
     ├── PluginError                  two distributions claim one scheme
+    ├── RendezvousClosed             the run was closed (``set_closed``)
+    ├── RendezvousTimeout            no round completed within the overall timeout
     └── RendezvousStateError         the stored rendezvous state is corrupt
 
 The rendezvous handler maps these onto torch's ``RendezvousClosedError``,
@@ -47,6 +49,8 @@ __all__ = [
     "InvalidURLError",
     "UnknownBackendError",
     "PluginError",
+    "RendezvousClosed",
+    "RendezvousTimeout",
     "RendezvousStateError",
 ]
 
@@ -159,6 +163,14 @@ class UnknownBackendError(ConfigError):
 
 class PluginError(RdzvError):
     """The plugin registry is inconsistent (e.g. a scheme claimed twice)."""
+
+
+class RendezvousClosed(RdzvError):
+    """The run is closed: no further rounds will form (see ``Rendezvous.set_closed``)."""
+
+
+class RendezvousTimeout(RdzvError):
+    """``next_round`` did not complete within the overall ``timeout`` (seconds)."""
 
 
 class RendezvousStateError(RdzvError):

@@ -1,0 +1,166 @@
+"""A torch ``RendezvousHandler`` over :class:`~rdzv_core.rendezvous.Rendezvous` and any backend.
+
+``next_rendezvous()`` returns ``RendezvousInfo(store, rank, world_size,
+bootstrap_store_info)`` where ``store`` is a :class:`~rdzv_core.store.KVStore`
+scoped to the run and the round, and ``bootstrap_store_info`` carries the
+MASTER_ADDR/MASTER_PORT that rank 0 published in it. Errors are mapped onto
+torch's: ``RendezvousClosedError``, ``RendezvousTimeoutError``,
+``RendezvousConnectionError`` (backend unreachable) and ``RendezvousStateError``.
+
+Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+from typing import Any, Callable, TypeVar
+
+from torch.distributed.elastic.rendezvous import api as torch_api
+
+from . import errors
+from .kv import KVBackend
+from .rendezvous import Progress, Rendezvous, RendezvousParams
+from .store import KVStore
+
+__all__ = ["RdzvHandler", "HANDLER_OVERRIDES"]
+
+log = logging.getLogger(__name__)
+
+#: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
+HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
+                     "local_addr", "on_progress", "store_timeout")
+
+T = TypeVar("T")
+
+
+def _mapped(fn: Callable[..., T]) -> Callable[..., T]:
+    """Translate rdzv errors into torch's rendezvous errors (the original is the ``__cause__``)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(*args, **kwargs)
+        except errors.RendezvousClosed as exc:
+            raise torch_api.RendezvousClosedError(str(exc)) from exc
+        except errors.RendezvousTimeout as exc:
+            raise torch_api.RendezvousTimeoutError(str(exc)) from exc
+        except errors.BackendUnavailable as exc:
+            raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
+        except (errors.RendezvousStateError, errors.KVError) as exc:
+            raise torch_api.RendezvousStateError(str(exc)) from exc
+
+    return wrapper
+
+
+class RdzvHandler(torch_api.RendezvousHandler):
+    """torch ``RendezvousHandler`` for any ``rdzv`` backend.
+
+    Args:
+        kv: the backend; closed by :meth:`shutdown`.
+        run_id: the run id.
+        params: :class:`~rdzv_core.rendezvous.RendezvousParams`.
+        backend_name: what :meth:`get_backend` returns (the URL scheme).
+        local_addr: address rank 0 publishes as MASTER_ADDR (default: this host's FQDN).
+        on_progress: callback receiving :class:`~rdzv_core.rendezvous.Progress` while waiting.
+        store_timeout: default timeout of the returned store (seconds, default 300).
+    """
+
+    def __init__(
+        self,
+        kv: KVBackend,
+        run_id: str,
+        params: RendezvousParams,
+        backend_name: str,
+        local_addr: str | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+        store_timeout: float = 300.0,
+    ) -> None:
+        self._kv = kv
+        self._rdzv = Rendezvous(kv, run_id, params, on_progress=on_progress)
+        self._backend_name = backend_name
+        self._local_addr = local_addr
+        self._store_timeout = datetime.timedelta(seconds=store_timeout)
+        self._shut = False
+
+    @classmethod
+    def from_url(cls, url: str, **overrides: Any) -> "RdzvHandler":
+        """Build a handler from a rendezvous URL; ``overrides`` win over the query.
+
+        Raises:
+            UnknownBackendError, InvalidURLError, ConfigError: bad URL or values.
+            BackendUnavailable: the backend cannot be opened.
+        """
+        from . import parse_backend_url
+
+        unknown = sorted(set(overrides) - set(HANDLER_OVERRIDES))
+        if unknown:
+            raise errors.ConfigError(unknown[0], overrides[unknown[0]], f"unknown option; valid: {', '.join(HANDLER_OVERRIDES)}")
+        info, parsed = parse_backend_url(url)
+        settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
+        if "min_nodes" not in settings:
+            settings["min_nodes"] = 1
+        param_names = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix")
+        params = RendezvousParams(**{k: settings[k] for k in param_names if k in settings})
+        kv = info.spec.open(parsed)
+        return cls(
+            kv,
+            parsed.run_id,
+            params,
+            backend_name=parsed.scheme,
+            local_addr=settings.get("local_addr"),
+            on_progress=settings.get("on_progress"),
+            store_timeout=float(settings.get("store_timeout", 300.0)),
+        )
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        """The underlying state machine (for status and extra data)."""
+        return self._rdzv
+
+    @property
+    def params(self) -> RendezvousParams:
+        return self._rdzv.params
+
+    def get_backend(self) -> str:
+        return self._backend_name
+
+    def get_run_id(self) -> str:
+        return self._rdzv.run_id
+
+    @property
+    def use_agent_store(self) -> bool:
+        return False
+
+    @_mapped
+    def next_rendezvous(self) -> torch_api.RendezvousInfo:
+        """Join the next round; block until it is final (see ``Rendezvous.next_round``)."""
+        result = self._rdzv.next_round()
+        store = KVStore(self._kv, self._rdzv.store_prefix(result.version), self._store_timeout)
+        bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, store, self._local_addr)
+        return torch_api.RendezvousInfo(store, result.rank, result.world_size, bootstrap)
+
+    @_mapped
+    def is_closed(self) -> bool:
+        return self._rdzv.is_closed()
+
+    @_mapped
+    def set_closed(self) -> None:
+        self._rdzv.set_closed()
+
+    @_mapped
+    def num_nodes_waiting(self) -> int:
+        return self._rdzv.num_nodes_waiting()
+
+    def shutdown(self) -> bool:
+        """Leave the current round (the run stays open for the others) and close the backend."""
+        if self._shut:
+            return True
+        self._shut = True
+        try:
+            self._rdzv.leave()
+        except errors.RdzvError as exc:
+            log.warning("run %s: could not leave the round cleanly: %s", self._rdzv.run_id, exc)
+        self._kv.close()
+        return True

@@ -1,0 +1,582 @@
+"""The rendezvous state machine, written once against the KV protocol.
+
+After torchelastic's ``EtcdRendezvous`` (``rendezvous_barrier``, ``init_phase``,
+``join_phase``, ``confirm_phase``, ``handle_existing_rendezvous``): a round goes
+
+::
+
+    (absent) --create--> setup --CAS--> joinable --CAS--> frozen --CAS--> final
+                                         |  last call            |  all confirmed
+       closed <--CAS-- (any state)       |  (min <= n < max)     |
+    final round whose keep-alive lapsed --compare_and_delete--> (absent)
+
+Semantics kept from the seed: a version counter numbers rounds; ranks are given in
+join order; the member that reached ``min_nodes`` owns the *last call* (waits
+``last_call_timeout`` more for others, keeping the round record alive by TTL,
+then freezes it); reaching ``max_nodes`` freezes at once; every member of a
+frozen round confirms and then keeps a per-member keep-alive key alive by TTL;
+nodes arriving while a round is final are counted as waiting
+(``num_nodes_waiting``) and watch the keep-alive keys — a lapsed one makes them
+destroy the round by compare-and-delete so a new round can form; ``set_closed``
+ends the run; extra data can be stored per round.
+
+What changed from the seed, and why (see ``docs/design.md``): the seed appends
+every join and every confirmation to one JSON blob by compare-and-swap, so N
+agents cost O(N^2) backend work. Here the round record changes only on state
+transitions; joins take a ticket from an atomic counter (``add``), confirmations
+count on another, waiting nodes on a third: O(1) writes per agent. Waits use
+watches on the round record, bounded by deadlines; retries back off with jitter.
+
+Keys, under ``ROOT = PREFIX/run_RUN_ID``::
+
+    ROOT/state/round            JSON round record (the only key CAS'd)
+    ROOT/state/closed           present once the run is closed (never expires)
+    ROOT/counter/version        round version counter
+    ROOT/v_V/joined             join tickets of round V (ticket t -> rank t-1)
+    ROOT/v_V/confirmed          confirmations of round V
+    ROOT/v_V/waiting            late nodes counted while V is final
+    ROOT/v_V/alive/rank_R       keep-alive key of rank R (TTL)
+    ROOT/v_V/extra/KEY          extra data of round V
+    ROOT/store/v_V/...          the c10d Store of round V (see rdzv_core.store)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .errors import (
+    BackendUnavailable,
+    CompareFailed,
+    ConfigError,
+    KeyExists,
+    KeyNotFound,
+    RendezvousClosed,
+    RendezvousStateError,
+    RendezvousTimeout,
+)
+from .kv import Entry, KVBackend, escape_segment, join_key, parse_counter, wait_for_change
+from .keepalive import KeepAlive
+
+__all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress"]
+
+log = logging.getLogger(__name__)
+
+SETUP, JOINABLE, FROZEN, FINAL, CLOSED = "setup", "joinable", "frozen", "final", "closed"
+_STATUSES = (SETUP, JOINABLE, FROZEN, FINAL)  # CLOSED is its own key
+MAX_STATE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class RendezvousParams:
+    """Rendezvous parameters (URL query keys of the same names).
+
+    ===================  =========  ===================================================
+    parameter            default    meaning
+    ===================  =========  ===================================================
+    min_nodes            (needed)   nodes needed for a round to be valid (int >= 1)
+    max_nodes            min_nodes  nodes admitted at most (int >= min_nodes)
+    timeout              600.0      overall seconds for one ``next_round`` call
+    last_call_timeout    30.0       seconds the min-th node waits for more nodes
+    keep_alive_ttl       5.0        TTL (s) of keep-alive keys and of transient
+                                    round records; refreshed every TTL/3
+    prefix               torchelastic/p2p   key prefix in the backend
+    ===================  =========  ===================================================
+
+    ``last_call_timeout`` is 30 s as in the seed's docstring and PyTorch's
+    shipped handler (the seed's constant of 1 s contradicts its own docs).
+
+    Raises:
+        ConfigError: a value is out of range (names the field and value).
+    """
+
+    min_nodes: int
+    max_nodes: int | None = None
+    timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    keep_alive_ttl: float = 5.0
+    prefix: str = "torchelastic/p2p"
+
+    def __post_init__(self) -> None:
+        if self.max_nodes is None:
+            object.__setattr__(self, "max_nodes", self.min_nodes)
+        for name in ("min_nodes", "max_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, value, "must be an int >= 1")
+        if self.min_nodes > self.max_nodes:  # type: ignore[operator]
+            raise ConfigError("min_nodes", self.min_nodes, f"greater than max_nodes={self.max_nodes}")
+        for name in ("timeout", "last_call_timeout", "keep_alive_ttl"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ConfigError(name, value, "must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """A completed round: ``version`` (int), this node's ``rank`` and the ``world_size``."""
+
+    version: int
+    rank: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a waiting node sees, for progress output.
+
+    Attributes:
+        phase: ``"joining"``, ``"last-call"``, ``"confirming"``, ``"waiting"`` (late node) or ``"setup"``.
+        version: the round version (0 if unknown).
+        joined: nodes that joined the round so far (or 0 if unknown).
+        min_nodes, max_nodes: the parameters.
+        remaining: seconds left of the overall timeout.
+    """
+
+    phase: str
+    version: int
+    joined: int
+    min_nodes: int
+    max_nodes: int
+    remaining: float
+
+
+class _Retry(Exception):
+    """Internal: start the attempt over (after a backoff if ``delay``)."""
+
+    def __init__(self, reason: str, delay: bool = False) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+class _Backoff:
+    """Jittered exponential backoff: 10 ms doubling to 1 s (full jitter)."""
+
+    def __init__(self, base: float = 0.01, cap: float = 1.0) -> None:
+        self.base, self.cap, self.n = base, cap, 0
+
+    def sleep(self, deadline: float) -> None:
+        delay = random.uniform(0, min(self.cap, self.base * (2**self.n)))
+        self.n = min(self.n + 1, 16)
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+
+
+class Rendezvous:
+    """One node's view of the rendezvous of one run over a :class:`KVBackend`.
+
+    Args:
+        kv: the backend (not closed by this object).
+        run_id: the run id (validated by the URL layer; one key segment).
+        params: :class:`RendezvousParams`.
+        on_progress: optional callback receiving :class:`Progress` while waiting.
+
+    Thread-safety: one ``next_round`` at a time per object.
+    """
+
+    def __init__(
+        self,
+        kv: KVBackend,
+        run_id: str,
+        params: RendezvousParams,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.run_id = run_id
+        self.params = params
+        self.on_progress = on_progress
+        self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.root = join_key(params.prefix, "run_" + run_id)
+        self._state_dir = self.root + "/state/"
+        self._state_key = self._state_dir + "round"
+        self._closed_key = self._state_dir + "closed"
+        self._keepalive: KeepAlive | None = None
+        self._alive_key: str | None = None
+        self._announced: set[int] = set()
+        self._lock = threading.Lock()
+        self.current: RoundResult | None = None
+
+    # -- public API ---------------------------------------------------------
+    def next_round(self) -> RoundResult:
+        """Block until this node is a member of a final round; return its result.
+
+        After torchelastic's ``EtcdRendezvous.rendezvous_barrier``. Leaves the
+        previous round first (its keep-alive key is deleted at once, so the other
+        members' waiting nodes re-form promptly).
+
+        Raises:
+            RendezvousClosed: the run is closed.
+            RendezvousTimeout: no round within ``params.timeout`` seconds.
+            RendezvousStateError: the stored round record is corrupt.
+            BackendUnavailable: the backend stayed unreachable until the deadline.
+        """
+        with self._lock:
+            self.leave()
+            deadline = time.monotonic() + self.params.timeout
+            backoff = _Backoff()
+            last_error: BackendUnavailable | None = None
+            while time.monotonic() < deadline:
+                try:
+                    result = self._attempt(deadline)
+                    self.current = result
+                    log.info(
+                        "run %s round %d complete: rank %d of world size %d",
+                        self.run_id, result.version, result.rank, result.world_size,
+                    )
+                    return result
+                except _Retry as retry:
+                    log.debug("run %s: retrying rendezvous: %s", self.run_id, retry)
+                    self._stop_keepalive(delete=True)
+                    if retry.delay:
+                        backoff.sleep(deadline)
+                except BackendUnavailable as exc:
+                    last_error = exc
+                    log.warning("run %s: backend unavailable, retrying until the deadline: %s", self.run_id, exc)
+                    self._stop_keepalive(delete=False)
+                    backoff.sleep(deadline)
+            if last_error is not None:
+                raise last_error
+            raise RendezvousTimeout(
+                f"run {self.run_id}: no round completed within {self.params.timeout} s "
+                f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
+            )
+
+    def leave(self) -> None:
+        """Leave the current round: stop the keep-alive and delete its key (the run stays open)."""
+        self._stop_keepalive(delete=True)
+        self.current = None
+
+    def is_closed(self) -> bool:
+        """Whether the run is closed (eventually consistent, like torch's handlers)."""
+        state = self._read_state()[1]
+        return state is not None and state["status"] == CLOSED
+
+    def set_closed(self) -> None:
+        """Mark the run closed so no node starts another round (after the seed's ``set_closed``).
+
+        The mark is its own key without TTL, so no TTL refresh of a round record can
+        ever make a closed run expire back into an open one.
+        """
+        self.kv.put(self._closed_key, b"closed")
+        log.info("run %s closed", self.run_id)
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes that arrived while the current round is final (0 in any other state)."""
+        state = self._read_state()[1]
+        if state is None or state["status"] != FINAL:
+            return 0
+        entry = self.kv.get(self._vkey(state["version"], "waiting"))
+        return 0 if entry is None else parse_counter(entry.key, entry.value)
+
+    def store_extra_data(self, version: int, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key`` for round ``version`` (after the seed's ``store_extra_data``)."""
+        self.kv.put(self._vkey(version, "extra", escape_segment(key)), value)
+
+    def load_extra_data(self, version: int, key: str, timeout: float) -> bytes:
+        """Wait up to ``timeout`` seconds for extra data ``key`` of round ``version``.
+
+        Raises:
+            RendezvousTimeout: not published in time (the seed waited forever).
+        """
+        full = self._vkey(version, "extra", escape_segment(key))
+        deadline = time.monotonic() + timeout
+        while True:
+            entries, revision = self.kv.list(self._vkey(version, "extra") + "/")
+            for entry in entries:
+                if entry.key == full:
+                    return entry.value
+            if not wait_for_change(self.kv, self._vkey(version, "extra") + "/", revision, deadline):
+                raise RendezvousTimeout(f"extra data {key!r} of round {version} not published within {timeout} s")
+
+    def store_prefix(self, version: int) -> str:
+        """Key prefix (ending in ``/``) of round ``version``'s c10d Store."""
+        return join_key(self.root, "store", f"v_{version}") + "/"
+
+    def describe(self) -> dict[str, Any]:
+        """The run's current state as plain data: status, version, participants, alive ranks, waiting."""
+        entry, state = self._read_state()
+        if state is None:
+            return {"run_id": self.run_id, "status": "absent"}
+        out: dict[str, Any] = {"run_id": self.run_id, **state}
+        version = state.get("version")
+        if isinstance(version, int) and version > 0:
+            alive, _ = self.kv.list(self._vkey(version, "alive") + "/")
+            out["alive"] = [json.loads(e.value) for e in alive]
+            for name in ("joined", "waiting"):
+                counter = self.kv.get(self._vkey(version, name))
+                out[name] = 0 if counter is None else parse_counter(counter.key, counter.value)
+        return out
+
+    # -- one attempt (after the seed's init_phase) ----------------------------
+    def _attempt(self, deadline: float) -> RoundResult:
+        entry, state = self._read_state()
+        if entry is None or state is None:
+            entry, state = self._setup()
+        status = state["status"]
+        if status == CLOSED:
+            raise RendezvousClosed(f"run {self.run_id} is closed")
+        if status == JOINABLE:
+            return self._join(state["version"], deadline)
+        if status == FINAL:
+            self._wait_as_late_node(entry, state, deadline)
+            raise _Retry("final round changed")
+        self._progress("setup" if status == SETUP else "waiting", state.get("version", 0), 0, deadline)
+        wait_for_change(self.kv, self._state_dir, entry.revision, deadline)
+        raise _Retry(f"round was {status}")
+
+    def _setup(self) -> tuple[Entry, dict[str, Any]]:
+        """Create a new round: setup (ephemeral) -> joinable (after the seed's try_create_rendezvous)."""
+        ttl = self.params.keep_alive_ttl
+        try:
+            setup = self.kv.create(self._state_key, _encode({"status": SETUP}), ttl=ttl)
+        except KeyExists:
+            raise _Retry("another node is setting up a round") from None
+        version = self.kv.add(join_key(self.root, "counter", "version"), 1)
+        state = {"status": JOINABLE, "version": version}
+        try:
+            entry = self.kv.compare_and_swap(self._state_key, _encode(state), setup.revision)
+        except (CompareFailed, KeyNotFound):
+            raise _Retry("setup record changed before it became joinable", delay=True) from None
+        log.info("run %s: created round %d", self.run_id, version)
+        return entry, state
+
+    def _join(self, version: int, deadline: float) -> RoundResult:
+        """Take a ticket, run the last call if ours, wait for the freeze (after the seed's join_phase)."""
+        p = self.params
+        ticket = self.kv.add(self._vkey(version, "joined"), 1)
+        log.info("run %s: joined round %d with ticket %d", self.run_id, version, ticket)
+        if ticket == p.max_nodes:
+            self._freeze(version, p.max_nodes, deadline)
+        elif ticket == p.min_nodes:
+            self._last_call(version, deadline)
+        entry, state = self._wait_until_not_joinable(version, deadline)
+        if state["status"] != FROZEN or state["version"] != version:
+            raise _Retry(f"round {version} became {state['status']} before it froze")
+        world = _int_field(state, "participants", self._state_key)
+        if world > (p.max_nodes or world):
+            raise RendezvousStateError(
+                f"round record at {self._state_key!r} has {world} participants, more than max_nodes={p.max_nodes}",
+                self._state_key,
+            )
+        if ticket > world:
+            raise _Retry(f"round {version} froze with {world} nodes before ticket {ticket}")
+        return self._confirm(version, ticket - 1, world, deadline)
+
+    def _freeze(self, version: int, participants: int, deadline: float) -> None:
+        """CAS joinable -> frozen with ``participants`` members (ephemeral until final)."""
+        frozen = _encode({"status": FROZEN, "version": version, "participants": participants})
+        while time.monotonic() < deadline:
+            entry, state = self._read_state()
+            if entry is None or state is None or state.get("version") != version or state["status"] != JOINABLE:
+                return
+            try:
+                self.kv.compare_and_swap(self._state_key, frozen, entry.revision, ttl=self.params.keep_alive_ttl)
+                log.info("run %s: froze round %d with %d nodes", self.run_id, version, participants)
+                return
+            except (CompareFailed, KeyNotFound):
+                continue
+
+    def _last_call(self, version: int, deadline: float) -> None:
+        """Own the last call: keep the round alive by TTL, freeze at the end (after handle_join_last_call)."""
+        p = self.params
+        ttl = p.keep_alive_ttl
+        while time.monotonic() < deadline:  # mark the round as having a last-call owner, ephemeral from now on
+            entry, state = self._read_state()
+            if entry is None or state is None or state["status"] != JOINABLE or state["version"] != version:
+                return
+            try:
+                marked = {**state, "last_call": self.node_id}
+                entry = self.kv.compare_and_swap(self._state_key, _encode(marked), entry.revision, ttl=ttl)
+                break
+            except (CompareFailed, KeyNotFound):
+                continue
+        else:
+            raise _Retry("deadline")
+        end = min(time.monotonic() + p.last_call_timeout, deadline)
+        log.info("run %s: round %d reached min_nodes; last call for %.1f s", self.run_id, version, p.last_call_timeout)
+        while True:
+            entry, state = self._read_state()
+            if entry is None or state is None or state["version"] != version or state["status"] != JOINABLE:
+                return
+            now = time.monotonic()
+            if now >= end:
+                joined = self._counter(self._vkey(version, "joined"))
+                self._freeze(version, min(joined, p.max_nodes or joined), deadline)  # type: ignore[type-var]
+                return
+            try:
+                self.kv.refresh(self._state_key, ttl)
+            except KeyNotFound:
+                return
+            self._progress("last-call", version, self._counter(self._vkey(version, "joined")), deadline)
+            wait_for_change(self.kv, self._state_dir, entry.revision, min(now + ttl / 3, end))
+
+    def _wait_until_not_joinable(self, version: int, deadline: float) -> tuple[Entry, dict[str, Any]]:
+        """Wait for the round to leave ``joinable``; destroy it if its last call stalled."""
+        ttl = self.params.keep_alive_ttl
+        stalled_at: int | None = None
+        while True:
+            entry, state = self._read_state()
+            if entry is None or state is None:
+                raise _Retry(f"round {version} expired before it froze")
+            if state["status"] != JOINABLE or state["version"] != version:
+                return entry, state
+            joined = self._counter(self._vkey(version, "joined"))
+            self._progress("joining", version, joined, deadline)
+            if joined >= self.params.min_nodes and "last_call" not in state:
+                # The node holding ticket min (or max) must mark or freeze the round; if it died
+                # in between, nobody would: after two TTLs without change, destroy the round.
+                if stalled_at == entry.revision:
+                    self._destroy(entry, f"round {version} stalled with {joined} nodes and no last-call owner")
+                    raise _Retry("stalled round destroyed")
+                stalled_at = entry.revision
+            else:
+                stalled_at = None
+            if time.monotonic() >= deadline:
+                raise _Retry("deadline")
+            wait_for_change(self.kv, self._state_dir, entry.revision, min(time.monotonic() + 2 * ttl, deadline))
+
+    def _confirm(self, version: int, rank: int, world: int, deadline: float) -> RoundResult:
+        """Confirm membership with a keep-alive key; the last to confirm makes the round final.
+
+        After the seed's ``confirm_phase``. Each confirmer refreshes the frozen record's
+        TTL *before* counting itself, so no refresh can follow the final CAS.
+        """
+        ttl = self.params.keep_alive_ttl
+        alive_key = self._vkey(version, "alive", f"rank_{rank}")
+        info = {"rank": rank, "node": self.node_id, "host": socket.gethostname()}
+        self.kv.put(alive_key, _encode(info), ttl=ttl)
+        self._alive_key = alive_key
+        self._keepalive = KeepAlive(self.kv, alive_key, ttl, name=f"rdzv-keepalive-{self.run_id}-v{version}")
+        try:
+            self.kv.refresh(self._state_key, ttl)
+        except KeyNotFound:
+            raise _Retry(f"round {version} expired while frozen") from None
+        if self.kv.add(self._vkey(version, "confirmed"), 1) == world:
+            while time.monotonic() < deadline:
+                entry, state = self._read_state()
+                if entry is None or state is None or state["status"] != FROZEN or state["version"] != version:
+                    break
+                final = _encode({"status": FINAL, "version": version, "participants": world})
+                try:
+                    self.kv.compare_and_swap(self._state_key, final, entry.revision)
+                    break
+                except (CompareFailed, KeyNotFound):
+                    continue
+        while True:
+            entry, state = self._read_state()
+            if entry is None or state is None or state["version"] != version or state["status"] not in (FROZEN, FINAL):
+                raise _Retry(f"round {version} ended before it became final")
+            if state["status"] == FINAL:
+                return RoundResult(version, rank, world)
+            self._progress("confirming", version, world, deadline)
+            if not wait_for_change(self.kv, self._state_dir, entry.revision, deadline):
+                raise _Retry("deadline")
+
+    def _wait_as_late_node(self, entry: Entry, state: dict[str, Any], deadline: float) -> None:
+        """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed.
+
+        After the seed's ``handle_existing_rendezvous`` / ``wait_for_rendezvous_to_free``.
+        """
+        version = state["version"]
+        world = _int_field(state, "participants", self._state_key)
+        if version not in self._announced:
+            self.kv.add(self._vkey(version, "waiting"), 1)
+            self._announced.add(version)
+        alive_prefix = self._vkey(version, "alive") + "/"
+        while True:
+            alive, revision = self.kv.list(alive_prefix)
+            ranks = {e.key.rsplit("/", 1)[-1] for e in alive}
+            missing = [r for r in range(world) if f"rank_{r}" not in ranks]
+            if missing:
+                self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
+                return
+            self._progress("waiting", version, world, deadline)
+            if time.monotonic() >= deadline:
+                return
+            wait_for_change(self.kv, self.root + "/", revision, min(time.monotonic() + self.params.keep_alive_ttl, deadline))
+            entry_now, state_now = self._read_state()
+            if entry_now is None or entry_now.revision != entry.revision:
+                return
+
+    # -- helpers --------------------------------------------------------------
+    def _destroy(self, entry: Entry, reason: str) -> None:
+        try:
+            self.kv.compare_and_delete(self._state_key, entry.revision)
+            log.info("run %s: destroyed round: %s", self.run_id, reason)
+        except (CompareFailed, KeyNotFound):
+            pass  # someone else changed it first
+
+    def _read_state(self) -> tuple[Entry | None, dict[str, Any] | None]:
+        """One read of ``ROOT/state/``: the round record, or a ``closed`` pseudo-state."""
+        entries, _ = self.kv.list(self._state_dir)
+        found = {e.key: e for e in entries}
+        closed = found.get(self._closed_key)
+        if closed is not None:
+            return closed, {"status": CLOSED}
+        entry = found.get(self._state_key)
+        if entry is None:
+            return None, None
+        return entry, _decode_state(entry)
+
+    def _counter(self, key: str) -> int:
+        entry = self.kv.get(key)
+        return 0 if entry is None else parse_counter(key, entry.value)
+
+    def _vkey(self, version: int, *parts: str) -> str:
+        return join_key(self.root, f"v_{version}", *parts)
+
+    def _stop_keepalive(self, delete: bool) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+            self._keepalive = None
+        if delete and self._alive_key is not None:
+            try:
+                self.kv.delete(self._alive_key)
+            except BackendUnavailable as exc:
+                log.warning("run %s: could not delete keep-alive key (it will lapse): %s", self.run_id, exc)
+        self._alive_key = None
+
+    def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:
+        if self.on_progress is not None:
+            p = self.params
+            self.on_progress(
+                Progress(phase, version, joined, p.min_nodes, p.max_nodes or p.min_nodes, max(0.0, deadline - time.monotonic()))
+            )
+
+
+def _encode(state: dict[str, Any]) -> bytes:
+    return json.dumps(state, sort_keys=True).encode("utf-8")
+
+
+def _decode_state(entry: Entry) -> dict[str, Any]:
+    """Parse and check a round record; raise :class:`RendezvousStateError` naming what is wrong."""
+    if len(entry.value) > MAX_STATE_BYTES:
+        raise RendezvousStateError(
+            f"round record at {entry.key!r} is {len(entry.value)} bytes (> {MAX_STATE_BYTES}); "
+            "reset the run's state", entry.key
+        )
+    try:
+        state = json.loads(entry.value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise RendezvousStateError(f"round record at {entry.key!r} is not JSON: {entry.value[:60]!r}", entry.key) from None
+    if not isinstance(state, dict) or state.get("status") not in _STATUSES:
+        raise RendezvousStateError(f"round record at {entry.key!r} has no valid 'status': {state!r:.120}", entry.key)
+    if state["status"] != SETUP:
+        _int_field(state, "version", entry.key)
+    if state["status"] in (FROZEN, FINAL):
+        _int_field(state, "participants", entry.key)
+    return state
+
+
+def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1) -> int:
+    value = state.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RendezvousStateError(f"round record at {key!r}: {name!r} must be an int >= {minimum}, got {value!r}", key)
+    return value

@@ -1,0 +1,181 @@
+"""A c10d ``Store`` over any :class:`~rdzv_core.kv.KVBackend` (the seed's ``EtcdStore``, generalised).
+
+Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
+segment under the store's prefix (``ROOT/store/v_V/`` for a rendezvous round),
+so two runs or two rounds never see each other's keys and no key can escape the
+prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
+until the keys appear or the timeout passes, then raise
+``torch.distributed.DistStoreError`` (a ``RuntimeError``, as c10d's own stores do).
+
+Importing this module imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import random
+import time
+from typing import Sequence
+
+import torch.distributed as dist
+
+from .errors import CompareFailed, KeyExists, KeyNotFound
+from .kv import KVBackend, check_prefix, escape_segment, wait_for_change
+
+__all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
+
+#: c10d's default store timeout (c10d/Store.hpp).
+DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _as_bytes(field: str, data: str | bytes | bytearray | Sequence[int]) -> bytes:
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray)):
+        return bytes(data)
+    if isinstance(data, (list, tuple)):  # c10d passes std::vector<uint8_t> as a list of ints
+        return bytes(data)
+    raise TypeError(f"{field} must be str or bytes, got {type(data).__name__}")
+
+
+class KVStore(dist.Store):
+    """``torch.distributed.Store`` backed by a KV backend.
+
+    Args:
+        kv: the backend (not closed by the store).
+        prefix: key prefix ending in ``/`` (e.g. ``Rendezvous.store_prefix(version)``).
+        timeout: default timeout of blocking operations (``datetime.timedelta``; 300 s).
+
+    In torch >= 2.13 ``Store.timeout`` is a read-only property of the C++ base,
+    so the store keeps its own ``_timeout`` and overrides ``timeout``.
+    """
+
+    def __init__(self, kv: KVBackend, prefix: str, timeout: datetime.timedelta = DEFAULT_STORE_TIMEOUT) -> None:
+        super().__init__()
+        self._kv = kv
+        self._prefix = check_prefix(prefix)
+        self._timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"KVStore(prefix={self._prefix!r}, timeout={self._timeout})"
+
+    @property
+    def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+        """Default timeout of blocking operations."""
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        """Change the default timeout of blocking operations."""
+        self._timeout = timeout
+
+    def _key(self, key: str | bytes) -> str:
+        return self._prefix + escape_segment(_as_bytes("key", key))
+
+    # -- writes -------------------------------------------------------------
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        """Write ``value`` at ``key``."""
+        self._kv.put(self._key(key), _as_bytes("value", value))
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+        """Write each ``values[i]`` at ``keys[i]`` (one write per key)."""
+        if len(keys) != len(values):
+            raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
+        for key, value in zip(keys, values):
+            self.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        """Atomically add ``amount`` to the decimal integer at ``key`` (absent = 0); return the sum."""
+        return self._kv.add(self._key(key), int(amount))
+
+    def append(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        """Append ``value`` to the bytes at ``key`` (creating it), atomically (compare-and-swap loop)."""
+        full, data = self._key(key), _as_bytes("value", value)
+        while True:
+            entry = self._kv.get(full)
+            try:
+                if entry is None:
+                    self._kv.create(full, data)
+                else:
+                    self._kv.compare_and_swap(full, entry.value + data, entry.revision)
+                return
+            except (KeyExists, KeyNotFound, CompareFailed):
+                time.sleep(random.uniform(0, 0.005))
+
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # type: ignore[override]
+        """c10d ``compareSet``: store ``desired_value`` if the current value is ``expected_value``
+        (an absent key matches an empty ``expected_value``); return the value now stored
+        (the current one, unchanged, when the comparison fails; ``expected_value`` for an
+        absent key that does not match, as TCPStore does)."""
+        full = self._key(key)
+        expected, desired = _as_bytes("expected_value", expected_value), _as_bytes("desired_value", desired_value)
+        while True:
+            entry = self._kv.get(full)
+            try:
+                if entry is None:
+                    if expected:
+                        return expected
+                    self._kv.create(full, desired)
+                    return desired
+                if entry.value != expected:
+                    return entry.value
+                self._kv.compare_and_swap(full, desired, entry.revision)
+                return desired
+            except (KeyExists, KeyNotFound, CompareFailed):
+                time.sleep(random.uniform(0, 0.005))
+
+    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+        """Delete ``key``; return whether it existed."""
+        return self._kv.delete(self._key(key))
+
+    # -- reads --------------------------------------------------------------
+    def get(self, key: str) -> bytes:  # type: ignore[override]
+        """Return the value at ``key``, waiting up to the timeout for it to be set.
+
+        Raises:
+            torch.distributed.DistStoreError: not set within the timeout.
+        """
+        return self._wait_get([key], self._timeout)[0]
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+        """Return the values of ``keys`` (waiting for all, like ``get``)."""
+        return self._wait_get(keys, self._timeout)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
+        """Wait until every key in ``keys`` is set.
+
+        Raises:
+            torch.distributed.DistStoreError: not all set within ``timeout`` (default: the store's).
+        """
+        self._wait_get(keys, self._timeout if timeout is None else timeout)
+
+    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+        """Whether every key in ``keys`` is set right now (no waiting)."""
+        return all(self._kv.get(self._key(k)) is not None for k in keys)
+
+    def num_keys(self) -> int:  # type: ignore[override]
+        """Number of keys in this store."""
+        return len(self._kv.list(self._prefix)[0])
+
+    def has_extended_api(self) -> bool:  # type: ignore[override]
+        """This store implements ``append``, ``multi_get`` and ``multi_set``."""
+        return True
+
+    def _wait_get(self, keys: Sequence[str | bytes], timeout: datetime.timedelta) -> list[bytes]:
+        """Values of ``keys`` once all are set; a zero timeout waits forever (c10d's kNoTimeout)."""
+        wanted = [self._key(k) for k in keys]
+        seconds = timeout.total_seconds()
+        deadline = time.monotonic() + (seconds if seconds > 0 else float("inf"))
+        entries = [self._kv.get(k) for k in wanted]  # fast path: everything is usually there
+        while True:
+            if all(e is not None for e in entries):
+                return [e.value for e in entries]  # type: ignore[union-attr]
+            listed, revision = self._kv.list(self._prefix)  # the revision to watch from
+            found = {e.key: e for e in listed}
+            entries = [found.get(k) for k in wanted]
+            if all(e is not None for e in entries):
+                continue
+            if not wait_for_change(self._kv, self._prefix, revision, deadline):
+                missing = [k for k, e in zip(keys, entries) if e is None]
+                raise dist.DistStoreError(
+                    f"timed out after {seconds:.3f} s waiting for store keys {missing!r:.200} under {self._prefix!r}"
+                )
