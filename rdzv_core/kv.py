@@ -117,6 +117,7 @@ class Capabilities:
 
     Attributes:
         multi_host: agents on different hosts can meet through it.
+        multi_process: several processes (on one host at least) share one keyspace.
         server_side_ttl: TTLs are judged by a server's clock, not the clients'.
         native_watch: watches are pushed by the server (not polled).
         persistent: state survives the end of the process that wrote it.
@@ -130,6 +131,7 @@ class Capabilities:
     server_side_ttl: bool
     native_watch: bool
     persistent: bool
+    multi_process: bool = True
     tls: bool = False
     auth: bool = False
     max_value_bytes: int | None = None

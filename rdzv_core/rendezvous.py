@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from .errors import (
+    BackendClosed,
     BackendUnavailable,
     CompareFailed,
     ConfigError,
@@ -539,7 +540,7 @@ class Rendezvous:
         if delete and self._alive_key is not None:
             try:
                 self.kv.delete(self._alive_key)
-            except BackendUnavailable as exc:
+            except (BackendUnavailable, BackendClosed) as exc:
                 log.warning("run %s: could not delete keep-alive key (it will lapse): %s", self.run_id, exc)
         self._alive_key = None
 

@@ -1,7 +1,7 @@
 """A c10d ``Store`` over any :class:`~rdzv_core.kv.KVBackend` (the seed's ``EtcdStore``, generalised).
 
 Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
-segment under the store's prefix (``ROOT/store/v_V/`` for a rendezvous round),
+segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix (``ROOT/store/v_V/`` for a rendezvous round),
 so two runs or two rounds never see each other's keys and no key can escape the
 prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
 until the keys appear or the timeout passes, then raise
@@ -13,6 +13,7 @@ Importing this module imports torch.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import random
 import time
 from typing import Sequence
@@ -20,7 +21,7 @@ from typing import Sequence
 import torch.distributed as dist
 
 from .errors import CompareFailed, KeyExists, KeyNotFound
-from .kv import KVBackend, check_prefix, escape_segment, wait_for_change
+from .kv import KVBackend, check_prefix, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 
@@ -69,7 +70,10 @@ class KVStore(dist.Store):
         self._timeout = timeout
 
     def _key(self, key: str | bytes) -> str:
-        return self._prefix + escape_segment(_as_bytes("key", key))
+        raw = _as_bytes("key", key)
+        if len(raw) <= 80:  # escaped form is at most 1 + 3 * 80 characters: one segment
+            return self._prefix + escape_segment(raw)
+        return self._prefix + "~" + hashlib.sha256(raw).hexdigest()  # long keys: a digest segment
 
     # -- writes -------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
@@ -155,6 +159,27 @@ class KVStore(dist.Store):
     def num_keys(self) -> int:  # type: ignore[override]
         """Number of keys in this store."""
         return len(self._kv.list(self._prefix)[0])
+
+    def clone(self) -> "KVStore":  # type: ignore[override]
+        """This same store (it is thread-safe).
+
+        c10d clones stores for its own threads. A fresh Python object handed to C++
+        would be garbage-collected while C++ still holds it, and pybind11 would then
+        find no Python overrides ("Not implemented"), so the clone is ``self``.
+        """
+        return self
+
+    def list_keys(self) -> list[str]:  # type: ignore[override]
+        """The keys of this store that are valid UTF-8 (digest-named long keys are not listed)."""
+        out = []
+        for entry in self._kv.list(self._prefix)[0]:
+            segment = entry.key[len(self._prefix):]
+            if segment.startswith("="):
+                try:
+                    out.append(unescape_segment(segment).decode("utf-8"))
+                except UnicodeDecodeError:
+                    continue
+        return out
 
     def has_extended_api(self) -> bool:  # type: ignore[override]
         """This store implements ``append``, ``multi_get`` and ``multi_set``."""

@@ -1,0 +1,238 @@
+"""Rendezvous state-machine scenarios, run against every backend (marker ``rendezvous``).
+
+Agents are threads, each with its own backend client (as separate hosts would
+have). Every wait is bounded by a deadline; assertions are on ranks, world
+sizes, versions and raised errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Callable
+
+import pytest
+
+from rdzv_core import (
+    KVBackend,
+    Rendezvous,
+    RendezvousClosed,
+    RendezvousParams,
+    RendezvousStateError,
+    RendezvousTimeout,
+    RoundResult,
+)
+
+pytestmark = pytest.mark.rendezvous
+
+TTL = 1.0  # keep-alive TTL used by these tests (seconds)
+
+
+class Agent:
+    """One node: a Rendezvous on its own client, with next_round run on a thread."""
+
+    def __init__(self, kv: KVBackend, run_id: str, params: RendezvousParams) -> None:
+        self.kv = kv
+        self.rdzv = Rendezvous(kv, run_id, params)
+        self.result: RoundResult | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> "Agent":
+        self.result, self.error = None, None
+        self.done.clear()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self.result = self.rdzv.next_round()
+        except BaseException as exc:  # recorded for the test to assert on
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def wait(self, timeout: float) -> RoundResult:
+        assert self.done.wait(timeout), "agent did not finish in time"
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+@pytest.fixture
+def run_id() -> str:
+    return f"run{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def agents(kv_factory: Callable[[], KVBackend], run_id: str):
+    """``agents(n, **params)`` -> n Agents on fresh clients (not started)."""
+    made: list[Agent] = []
+
+    def make(n: int, **params: float) -> list[Agent]:
+        p = RendezvousParams(**{"keep_alive_ttl": TTL, "timeout": 30.0, "last_call_timeout": 0.5, **params})
+        new = [Agent(kv_factory(), run_id, p) for _ in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for agent in made:
+        agent.rdzv.leave()
+
+
+def _wait_all(agents: list[Agent], timeout: float = 30.0) -> list[RoundResult]:
+    deadline = time.monotonic() + timeout
+    return [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
+
+
+def _assert_round(results: list[RoundResult], world: int) -> None:
+    assert sorted(r.rank for r in results) == list(range(world))
+    assert {r.world_size for r in results} == {world}
+    assert len({r.version for r in results}) == 1
+
+
+def test_min_equals_max(agents) -> None:
+    group = [a.start() for a in agents(3, min_nodes=3, max_nodes=3)]
+    _assert_round(_wait_all(group), 3)
+
+
+def test_min_below_max_closes_after_last_call(agents) -> None:
+    group = agents(2, min_nodes=2, max_nodes=4, last_call_timeout=0.5)
+    t0 = time.monotonic()
+    for a in group:
+        a.start()
+    results = _wait_all(group)
+    _assert_round(results, 2)
+    assert time.monotonic() - t0 >= 0.5  # the last call was waited out
+
+
+def test_max_reached_ends_last_call_early(agents) -> None:
+    group = agents(3, min_nodes=2, max_nodes=3, last_call_timeout=60.0)
+    t0 = time.monotonic()
+    for a in group:
+        a.start()
+    _assert_round(_wait_all(group, timeout=50.0), 3)
+    assert time.monotonic() - t0 < 50.0  # did not wait for the 60 s last call
+
+
+def test_thirty_two_agents_get_distinct_ranks(agents) -> None:
+    group = [a.start() for a in agents(32, min_nodes=32, max_nodes=32)]
+    _assert_round(_wait_all(group, timeout=60.0), 32)
+
+
+def test_late_node_is_counted_waiting_then_admitted(agents) -> None:
+    first = [a.start() for a in agents(2, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(first)
+    _assert_round(r1, 2)
+    late = agents(1, min_nodes=2, max_nodes=3, last_call_timeout=0.3)[0].start()
+    deadline = time.monotonic() + 20
+    while first[0].rdzv.num_nodes_waiting() != 1:
+        assert time.monotonic() < deadline, "late node never counted as waiting"
+        assert not late.done.is_set(), f"late node finished early: {late.result} {late.error}"
+        time.sleep(0.05)
+    assert first[1].rdzv.num_nodes_waiting() == 1
+    for a in first:  # the members re-rendezvous to admit it (as the agent's monitor loop does)
+        a.start()
+    results = _wait_all(first + [late])
+    _assert_round(results, 3)
+    assert results[0].version > r1[0].version
+    assert first[0].rdzv.num_nodes_waiting() == 0
+
+
+def test_lapsed_keep_alive_destroys_final_round(agents, kv_factory) -> None:
+    group = [a.start() for a in agents(2, min_nodes=1, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(group)
+    _assert_round(r1, 2)
+    crashed, survivor = group
+    crashed.kv.close()  # the process "dies": its keep-alive stops, its key is left to lapse
+    newcomer = agents(1, min_nodes=1, max_nodes=3, last_call_timeout=0.3)[0]
+    t0 = time.monotonic()
+    survivor.start()
+    newcomer.start()
+    results = _wait_all([survivor, newcomer])
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+    assert time.monotonic() - t0 < TTL + 10  # TTL + detection + last call, with margin
+
+
+def test_leaving_member_lets_others_reform_promptly(agents) -> None:
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(group)
+    _assert_round(r1, 3)
+    group[0].rdzv.leave()  # a clean leave deletes the keep-alive key at once
+    for a in group[1:]:
+        a.start()
+    results = _wait_all(group[1:])
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+    assert not group[0].rdzv.is_closed()
+
+
+def test_closed_run_refuses_new_rounds(agents) -> None:
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    _assert_round(_wait_all(group), 2)
+    waiting = agents(1, min_nodes=3, max_nodes=3)[0].start()  # would wait forever for a 3rd node
+    group[0].rdzv.set_closed()
+    assert group[1].rdzv.is_closed()
+    with pytest.raises(RendezvousClosed):
+        waiting.wait(20)
+    with pytest.raises(RendezvousClosed):
+        group[1].start().wait(20)
+
+
+def test_overall_timeout(agents) -> None:
+    lonely = agents(1, min_nodes=2, max_nodes=2, timeout=1.0)[0]
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousTimeout):
+        lonely.start().wait(10)
+    assert 1.0 <= time.monotonic() - t0 <= 3.0
+
+
+def test_extra_data(agents) -> None:
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    r = _wait_all(group)
+    payload = bytes(range(256))
+    group[0].rdzv.store_extra_data(r[0].version, "weights/../x\x00", payload)
+    assert group[1].rdzv.load_extra_data(r[0].version, "weights/../x\x00", timeout=5) == payload
+    with pytest.raises(RendezvousTimeout):
+        group[1].rdzv.load_extra_data(r[0].version, "never", timeout=0.3)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [b"not json", b"[1, 2]", b'{"status": "final", "version": -3, "participants": 2}',
+     b'{"status": "final", "version": 1, "participants": "x"}', b"\xff" * 5000],
+)
+def test_corrupt_round_record_is_a_state_error(agents, kv, run_id, garbage: bytes) -> None:
+    kv.put(f"torchelastic/p2p/run_{run_id}/state/round", garbage)
+    agent = agents(1, min_nodes=1, max_nodes=1)[0]
+    with pytest.raises(RendezvousStateError) as info:
+        agent.start().wait(10)
+    assert info.value.key == f"torchelastic/p2p/run_{run_id}/state/round"
+
+
+def test_two_runs_are_independent(kv_factory) -> None:
+    p = RendezvousParams(min_nodes=1, max_nodes=1, keep_alive_ttl=TTL, timeout=20)
+    a = Agent(kv_factory(), f"a{uuid.uuid4().hex[:8]}", p).start()
+    b = Agent(kv_factory(), f"b{uuid.uuid4().hex[:8]}", p).start()
+    ra, rb = a.wait(20), b.wait(20)
+    assert (ra.rank, ra.world_size, rb.rank, rb.world_size) == (0, 1, 0, 1)
+    a.rdzv.set_closed()
+    assert not b.rdzv.is_closed()
+    a.rdzv.leave()
+    b.rdzv.leave()
+
+
+def test_parameters_are_validated() -> None:
+    from rdzv_core import ConfigError
+
+    with pytest.raises(ConfigError, match="min_nodes"):
+        RendezvousParams(min_nodes=3, max_nodes=2)
+    with pytest.raises(ConfigError, match="keep_alive_ttl"):
+        RendezvousParams(min_nodes=1, keep_alive_ttl=0)
+    with pytest.raises(ConfigError, match="min_nodes"):
+        RendezvousParams(min_nodes=0)

@@ -1,0 +1,212 @@
+"""The c10d Store contract over every backend (marker ``store``), and gloo through it."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from typing import Callable
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.distributed as dist  # noqa: E402
+
+from rdzv_core import KVBackend  # noqa: E402
+from rdzv_core.store import KVStore  # noqa: E402
+
+pytestmark = pytest.mark.store
+
+
+@pytest.fixture
+def make_store(kv_factory: Callable[[], KVBackend], key_prefix: str):
+    """``make_store(timeout_s=5.0, prefix=None)`` -> a KVStore on a fresh client, shared prefix by default."""
+
+    def make(timeout_s: float = 5.0, prefix: str | None = None) -> KVStore:
+        return KVStore(kv_factory(), prefix or key_prefix + "store/", datetime.timedelta(seconds=timeout_s))
+
+    return make
+
+
+def test_set_get_binary_keys_and_values(make_store) -> None:
+    a, b = make_store(), make_store()
+    hostile = [b"", b"\x00", b"a/b", b"..", b"/../x", bytes(range(256)), "ключ".encode(), b"\xff\xfe"]
+    for i, key in enumerate(hostile):
+        a.set(key, bytes([i]) * (i + 1))
+    for i, key in enumerate(hostile):
+        assert b.get(key) == bytes([i]) * (i + 1)
+    a.set("s", "text")
+    assert b.get("s") == b"text"
+    assert b.num_keys() == len(hostile) + 1
+
+
+def test_get_waits_for_a_later_set(make_store) -> None:
+    a, b = make_store(), make_store(timeout_s=10)
+    threading.Timer(0.3, lambda: a.set("late", b"v")).start()
+    t0 = time.monotonic()
+    assert b.get("late") == b"v"
+    assert time.monotonic() - t0 < 8
+
+
+def test_get_times_out_with_a_store_error(make_store) -> None:
+    store = make_store(timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        store.get("never")
+    assert 0.9 <= time.monotonic() - t0 <= 3.0
+
+
+def test_wait_and_check(make_store) -> None:
+    a, b = make_store(), make_store()
+    assert not b.check(["x", "y"])
+    with pytest.raises(dist.DistStoreError):
+        b.wait(["x"], datetime.timedelta(seconds=0.3))
+    a.set("x", b"1")
+    threading.Timer(0.2, lambda: a.set("y", b"2")).start()
+    b.wait(["x", "y"], datetime.timedelta(seconds=10))
+    assert b.check(["x", "y"])
+
+
+def test_add_is_atomic_across_clients(make_store) -> None:
+    stores = [make_store() for _ in range(4)]
+
+    def work(s: KVStore) -> None:
+        for _ in range(25):
+            s.add("counter", 1)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in stores]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert stores[0].add("counter", 0) == 100
+    assert stores[1].get("counter") == b"100"
+
+
+def test_compare_set(make_store) -> None:
+    s = make_store()
+    assert s.compare_set("k", "", "first") == b"first"  # absent + empty expected -> set
+    assert s.compare_set("k", "wrong", "second") == b"first"  # mismatch -> current value
+    assert s.compare_set("k", "first", "second") == b"second"
+    assert s.get("k") == b"second"
+    assert s.compare_set("absent", "x", "y") == b"x"  # absent + non-empty expected: unchanged
+    assert not s.check(["absent"])
+
+
+def test_delete_num_keys_multi(make_store) -> None:
+    s = make_store()
+    s.multi_set(["a", "b", "c"], [b"1", b"2", b"3"])
+    assert s.multi_get(["c", "a"]) == [b"3", b"1"]
+    assert s.num_keys() == 3
+    assert s.delete_key("b") is True
+    assert s.delete_key("b") is False
+    assert s.num_keys() == 2
+    s.append("a", b"+")
+    assert s.get("a") == b"1+"
+
+
+def test_set_timeout(make_store) -> None:
+    s = make_store(timeout_s=30)
+    s.set_timeout(datetime.timedelta(seconds=0.3))
+    assert s.timeout == datetime.timedelta(seconds=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        s.get("missing")
+    assert time.monotonic() - t0 < 3
+
+
+def test_prefixes_are_isolated(make_store, key_prefix: str) -> None:
+    one, two = make_store(prefix=key_prefix + "one/"), make_store(prefix=key_prefix + "two/")
+    one.set("k", b"1")
+    assert not two.check(["k"])
+    assert two.num_keys() == 0
+
+
+def test_gloo_all_reduce_in_threads(make_store) -> None:
+    """Gloo's C++ side drives the Python store (PrefixStore, waits, adds)."""
+    world = 2
+    results: dict[int, float] = {}
+    errors: list[BaseException] = []
+    # The Python stores must outlive the C++ objects that use them (pybind11 trampolines).
+    stores = [make_store(timeout_s=30) for _ in range(world)]
+
+    def member(rank: int) -> None:
+        try:
+            store = dist.PrefixStore("pg", stores[rank])
+            pg = dist.ProcessGroupGloo(store, rank, world, datetime.timedelta(seconds=30))
+            t = torch.tensor([float(rank + 1)])
+            pg.allreduce([t]).wait()
+            results[rank] = float(t.item())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert results == {0: 3.0, 1: 3.0}
+
+
+_GLOO_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from rdzv_core import create_handler
+    handler = create_handler(sys.argv[1], local_addr="127.0.0.1")
+    info = handler.next_rendezvous()
+    dist.init_process_group("gloo", store=info.store, rank=info.rank, world_size=info.world_size)
+    t = torch.tensor([float(info.rank + 1)])
+    dist.all_reduce(t)
+    print(f"RESULT {info.rank} {info.world_size} {t.item()}", flush=True)
+    dist.destroy_process_group()
+    handler.shutdown()
+    """
+)
+
+
+def test_gloo_all_reduce_in_two_processes(rdzv_url, capabilities) -> None:
+    """Two processes: handler -> next_rendezvous -> init_process_group(store=...) -> all_reduce."""
+    if not capabilities.multi_process:
+        pytest.skip("backend declares multi_process=False (one keyspace per process)")
+    url = rdzv_url(min_nodes=2, max_nodes=2, keep_alive_ttl=2, timeout=60)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _GLOO_SCRIPT, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        for _ in range(2)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode(errors="replace")[-2000:]
+            outputs.append(out.decode())
+    finally:
+        for p in procs:
+            p.kill()
+    lines = sorted(line for o in outputs for line in o.splitlines() if line.startswith("RESULT"))
+    assert lines == ["RESULT 0 2 3.0", "RESULT 1 2 3.0"]
+
+
+def test_store_of_a_round_is_scoped_to_run_and_version(kv_factory) -> None:
+    """Two runs on one backend never see each other's store keys."""
+    from rdzv_core import Rendezvous, RendezvousParams
+
+    p = RendezvousParams(min_nodes=1, keep_alive_ttl=1.0, timeout=20)
+    a = Rendezvous(kv_factory(), f"a{uuid.uuid4().hex[:8]}", p)
+    b = Rendezvous(kv_factory(), f"b{uuid.uuid4().hex[:8]}", p)
+    ra, rb = a.next_round(), b.next_round()
+    sa = KVStore(a.kv, a.store_prefix(ra.version), datetime.timedelta(seconds=1))
+    sb = KVStore(b.kv, b.store_prefix(rb.version), datetime.timedelta(seconds=1))
+    sa.set("MASTER_PORT", b"1234")
+    assert not sb.check(["MASTER_PORT"])
+    ra2 = a.next_round()
+    assert ra2.version > ra.version
+    assert not KVStore(a.kv, a.store_prefix(ra2.version)).check(["MASTER_PORT"])
+    a.leave()
+    b.leave()
