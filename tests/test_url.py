@@ -1,0 +1,122 @@
+"""URL parsing: one form for every backend, and every documented error."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rdzv_core import ConfigError, InvalidURLError, UnknownBackendError, create_handler, parse_url
+from rdzv_core.url import RendezvousURL
+
+
+def test_full_form() -> None:
+    u = parse_url("etcd://alice:s3cret@h1:2379,[::1]:2380,h3/some/path/job-7?min_workers=2&max_nodes=4&timeout=60",
+                  default_port=2379)
+    assert u.scheme == "etcd"
+    assert u.hosts == (("h1", 2379), ("::1", 2380), ("h3", 2379))
+    assert u.path == "some/path"
+    assert u.run_id == "job-7"
+    assert u.params == {"min_nodes": 2, "max_nodes": 4, "timeout": 60.0}
+    assert (u.username, u.password) == ("alice", "s3cret")
+
+
+def test_seed_and_torch_query_names() -> None:
+    u = parse_url("x://h/r?min_workers=1&max_workers=3&last_call_timeout=5&etcd_prefix=/custom/p&keep_alive_ttl=2.5")
+    assert u.params == {"min_nodes": 1, "max_nodes": 3, "last_call_timeout": 5.0, "prefix": "custom/p",
+                        "keep_alive_ttl": 2.5}
+
+
+def test_password_never_shown() -> None:
+    u = parse_url("redis://bob:hunter2@h:1/run")
+    assert "hunter2" not in repr(u) and "hunter2" not in str(u)
+    with pytest.raises(InvalidURLError) as info:
+        parse_url("redis://bob:hunter2@h:1/run?bogus=1")
+    assert "hunter2" not in str(info.value)
+    with pytest.raises(InvalidURLError) as info:
+        parse_url("redis://bob:hunter2@h:99999/run")
+    assert "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "url, field",
+    [
+        ("etcd://h/run?color=blue", "color"),
+        ("etcd://h/run?min_nodes=two", "min_nodes"),
+        ("etcd://h/run?min_nodes=0", "min_nodes"),
+        ("etcd://h/run?max_workers=-1", "max_workers"),
+        ("etcd://h/run?min_nodes=3&max_nodes=2", "min_nodes"),
+        ("etcd://h/run?timeout=-5", "timeout"),
+        ("etcd://h/run?timeout=inf", "timeout"),
+        ("etcd://h/run?last_call_timeout=nan", "last_call_timeout"),
+        ("etcd://h/run?min_nodes=1&min_workers=1", "min_workers"),
+        ("etcd://h/", "run_id"),
+        ("etcd://h", "run_id"),
+        ("etcd://h/..", "run_id"),
+        ("etcd://h/a%2Fb", "run_id"),
+        ("etcd://h/a%00b", "run_id"),
+        ("etcd://h/" + "r" * 129, "run_id"),
+        ("etcd://h/r%0A", "run_id"),
+        ("etcd://h:0/run", "port"),
+        ("etcd://h:http/run", "port"),
+        ("etcd://[::1/run", "host"),
+        ("etcd://h$x/run", "host"),
+        ("etcd:/h/run", "url"),
+        ("1tcd://h/run", "scheme"),
+        ("etcd://h/run?etcd_prefix=/a/../b", "etcd_prefix"),
+        ("etcd://h/run#frag", "url"),
+    ],
+)
+def test_errors_name_the_field(url: str, field: str) -> None:
+    with pytest.raises(InvalidURLError) as info:
+        parse_url(url)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_unknown_key_lists_valid_ones() -> None:
+    with pytest.raises(InvalidURLError) as info:
+        parse_url("etcd://h/run?colour=1")
+    for key in ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "min_workers"):
+        assert key in str(info.value)
+
+
+def test_unknown_scheme_lists_known_ones() -> None:
+    with pytest.raises(UnknownBackendError) as info:
+        create_handler("nosuch://h/run")
+    assert "memory" in str(info.value) and "file" in str(info.value)
+    assert info.value.field == "scheme"
+
+
+def test_errors_are_value_errors() -> None:
+    assert issubclass(InvalidURLError, ValueError) and issubclass(ConfigError, ValueError)
+
+
+def test_redacted_round_trip() -> None:
+    u = parse_url("file:///tmp/d/run1?min_nodes=2")
+    assert u.path == "tmp/d" and u.run_id == "run1"
+    assert parse_url(u.redacted()) == u
+
+
+_ALLOWED = (InvalidURLError, UnknownBackendError)
+
+
+@settings(max_examples=2500, deadline=None)
+@given(
+    scheme=st.sampled_from(["memory", "file", "etcd", "redis", "x", "", "Memory", "1x"]),
+    netloc=st.text(max_size=30),
+    path=st.text(max_size=40),
+    query=st.lists(st.tuples(st.sampled_from(["min_nodes", "max_nodes", "timeout", "last_call_timeout",
+                                              "keep_alive_ttl", "prefix", "min_workers", "bogus"]),
+                             st.text(max_size=12)), max_size=4),
+)
+def test_only_documented_errors_escape(scheme: str, netloc: str, path: str, query: list[tuple[str, str]]) -> None:
+    """Generated URLs either parse or raise a documented ValueError subclass naming its field."""
+    url = f"{scheme}://{netloc}/{path}?" + "&".join(f"{k}={v}" for k, v in query)
+    try:
+        parsed = parse_url(url)
+    except _ALLOWED as exc:
+        assert isinstance(exc, ValueError)
+        assert exc.field and exc.field in str(exc)
+    else:
+        assert isinstance(parsed, RendezvousURL) and parsed.run_id
