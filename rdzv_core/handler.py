@@ -90,7 +90,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
 
         Raises:
             UnknownBackendError, InvalidURLError, ConfigError: bad URL or values.
-            BackendUnavailable: the backend cannot be opened.
+            torch's RendezvousConnectionError: the backend cannot be reached.
         """
         from . import parse_backend_url
 
@@ -103,7 +103,10 @@ class RdzvHandler(torch_api.RendezvousHandler):
             settings["min_nodes"] = 1
         param_names = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix")
         params = RendezvousParams(**{k: settings[k] for k in param_names if k in settings})
-        kv = info.spec.open(parsed)
+        try:
+            kv = info.spec.open(parsed)
+        except errors.BackendUnavailable as exc:
+            raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         return cls(
             kv,
             parsed.run_id,

@@ -1,0 +1,133 @@
+"""The torch RendezvousHandler API over rdzv (memory and file backends)."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import pytest
+
+torch_api = pytest.importorskip("torch.distributed.elastic.rendezvous")
+
+from rdzv_core import ConfigError, create_handler  # noqa: E402
+from rdzv_core.handler import RdzvHandler  # noqa: E402
+
+
+@pytest.fixture(params=["memory", "file"])
+def base(request, tmp_path) -> str:
+    return "memory://handler-tests/" if request.param == "memory" else f"file://{tmp_path}/"
+
+
+def _url(base: str, **q: object) -> str:
+    query = "&".join(f"{k}={v}" for k, v in {"keep_alive_ttl": 1, "last_call_timeout": 0.3, "timeout": 20, **q}.items())
+    return f"{base}job{uuid.uuid4().hex[:8]}?{query}"
+
+
+def _in_threads(handlers: list[RdzvHandler]) -> list:
+    out: list = [None] * len(handlers)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = handlers[i].next_rendezvous()
+        except BaseException as exc:  # asserted by the caller
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(handlers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_is_a_torch_handler_and_returns_rendezvous_info(base: str) -> None:
+    url = _url(base, min_nodes=2, max_nodes=2)
+    handlers = [create_handler(url, local_addr="127.0.0.1") for _ in range(2)]
+    assert all(isinstance(h, torch_api.RendezvousHandler) for h in handlers)
+    infos = _in_threads(handlers)
+    assert all(isinstance(i, torch_api.RendezvousInfo) for i in infos), infos
+    assert sorted(i.rank for i in infos) == [0, 1]
+    assert {i.world_size for i in infos} == {2}
+    boot = {(i.bootstrap_store_info.master_addr, i.bootstrap_store_info.master_port) for i in infos}
+    assert len(boot) == 1 and next(iter(boot))[0] == "127.0.0.1"
+    infos[0].store.set("from0", b"hello")
+    assert infos[1].store.get("from0") == b"hello"
+    assert handlers[0].get_backend() == base.split("://")[0]
+    assert handlers[0].get_run_id() == url.split("/")[-1].split("?")[0]
+    for h in handlers:
+        assert h.shutdown() is True
+
+
+def test_shutdown_leaves_without_closing(base: str) -> None:
+    url = _url(base, min_nodes=1, max_nodes=2)
+    a, b = create_handler(url), create_handler(url)
+    first = _in_threads([a, b])
+    assert sorted(i.rank for i in first) == [0, 1]
+    a.shutdown()
+    assert not b.is_closed()
+    again = b.next_rendezvous()  # re-forms without a
+    assert (again.rank, again.world_size) == (0, 1)
+    b.set_closed()
+    assert b.is_closed()
+    with pytest.raises(torch_api.RendezvousClosedError):
+        create_handler(url).next_rendezvous()
+    b.shutdown()
+
+
+def test_num_nodes_waiting(base: str) -> None:
+    url = _url(base, min_nodes=1, max_nodes=2)
+    member = create_handler(url)
+    member.next_rendezvous()
+    assert member.num_nodes_waiting() == 0
+    late = create_handler(url)
+    t = threading.Thread(target=late.next_rendezvous, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 20
+    while member.num_nodes_waiting() < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    info = member.next_rendezvous()  # admit it
+    t.join(30)
+    assert info.world_size == 2
+    member.shutdown()
+    late.shutdown()
+
+
+def test_timeout_maps_to_torch_error(base: str) -> None:
+    h = create_handler(_url(base, min_nodes=2, timeout=1))
+    t0 = time.monotonic()
+    with pytest.raises(torch_api.RendezvousTimeoutError):
+        h.next_rendezvous()
+    assert time.monotonic() - t0 < 3.0
+    h.shutdown()
+
+
+def test_corrupt_state_maps_to_torch_error(base: str) -> None:
+    url = _url(base, min_nodes=1)
+    h = create_handler(url)
+    h.rendezvous.kv.put(h.rendezvous.root + "/state/round", b"{not json")
+    with pytest.raises(torch_api.RendezvousStateError):
+        h.next_rendezvous()
+    h.shutdown()
+
+
+def test_unreachable_backend_maps_to_connection_error() -> None:
+    from conformance_tests.servers import free_port
+
+    pytest.importorskip("redis")
+    url = f"redis://127.0.0.1:{free_port()}/job?timeout=2&operation_timeout=0.5"
+    t0 = time.monotonic()
+    with pytest.raises(torch_api.RendezvousConnectionError):
+        create_handler(url).next_rendezvous()
+    assert time.monotonic() - t0 < 10
+
+
+def test_overrides_win_and_are_validated(base: str) -> None:
+    h = create_handler(_url(base, min_nodes=1, max_nodes=1), max_nodes=3, min_nodes=2)
+    assert (h.params.min_nodes, h.params.max_nodes) == (2, 3)
+    with pytest.raises(ConfigError):
+        create_handler(_url(base), bogus=1)
+    with pytest.raises(ConfigError):
+        create_handler(_url(base), min_nodes=5, max_nodes=2)
+    h.shutdown()
