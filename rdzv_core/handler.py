@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
-                     "local_addr", "on_progress", "store_timeout")
+                     "local_addr", "on_progress", "store_timeout", "backend_name")
 
 T = TypeVar("T")
 
@@ -111,7 +111,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             kv,
             parsed.run_id,
             params,
-            backend_name=parsed.scheme,
+            backend_name=settings.get("backend_name") or parsed.scheme,
             local_addr=settings.get("local_addr"),
             on_progress=settings.get("on_progress"),
             store_timeout=float(settings.get("store_timeout", 300.0)),

@@ -1,0 +1,76 @@
+"""Plain torchrun with rdzv backends through the ``torchrun.handlers`` entry points."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+
+import pytest
+
+pytest.importorskip("torch")
+
+WORKER = textwrap.dedent(
+    """
+    import torch, torch.distributed as dist
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    print(f"RESULT rank={dist.get_rank()} world={dist.get_world_size()} sum={t.item()}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.fixture(params=["rdzv-file", "rdzv-redis", "rdzv-etcd", "rdzv-etcd-v3"])
+def backend_and_endpoint(request, tmp_path):
+    name = request.param
+    if name == "rdzv-file":
+        return name, str(tmp_path / "store")
+    server = request.getfixturevalue("rdzv_server_redis" if name == "rdzv-redis" else "rdzv_server_etcd")
+    return name, server.address
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_all_reduce(backend_and_endpoint, tmp_path) -> None:
+    backend, endpoint = backend_and_endpoint
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+        "--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--rdzv-id", f"tr{uuid.uuid4().hex[:8]}",
+        "--rdzv-conf", "last_call_timeout=1,keep_alive_ttl=2,join_timeout=90", "--monitor-interval", "0.5",
+        str(script),
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path) for _ in range(2)]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=150)
+            assert p.returncode == 0, err.decode(errors="replace")[-3000:]
+            outs.append(out.decode())
+    finally:
+        for p in procs:
+            p.kill()
+    results = sorted(line for o in outs for line in o.splitlines() if line.startswith("RESULT"))
+    assert results == ["RESULT rank=0 world=2 sum=3.0", "RESULT rank=1 world=2 sum=3.0"]
+
+
+def test_rdzv_conf_maps_to_url() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_core.torchrun import handler_url
+
+    params = RendezvousParameters(
+        backend="rdzv-redis", endpoint="127.0.0.1:6379", run_id="job", min_nodes=2, max_nodes=3,
+        last_call_timeout=5, join_timeout=60, is_host=True,
+    )
+    url = handler_url("redis", params)
+    assert url.startswith("redis://127.0.0.1:6379/job?")
+    from rdzv_core import parse_url
+
+    parsed = parse_url(url)
+    assert parsed.params == {"min_nodes": 2, "max_nodes": 3, "last_call_timeout": 5.0, "timeout": 60.0}
