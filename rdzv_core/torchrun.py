@@ -60,7 +60,10 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
             raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
         netloc_path = endpoint
     query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
-    for key, value in params.config.items():
+    config = dict(params.config)
+    if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
+        config.pop("timeout", None)
+    for key, value in config.items():
         if key in IGNORED_TORCH_KEYS or value is None:
             continue
         query[key] = value
