@@ -1,0 +1,179 @@
+"""``rdzv`` — the operator's command: inspect, close, reset and check rendezvous runs.
+
+::
+
+    rdzv backends [--json]            installed schemes, providing distribution, capabilities
+    rdzv status URL [--json]          round version, state, participants, waiting count, closed
+    rdzv close URL [--yes]            close the run (no new rounds)
+    rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
+    rdzv check URL [--json]           connect, run a short protocol self-test, report latency
+
+Errors are one line on stderr saying what to do, with exit code 2 (bad input) or
+1 (backend trouble).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from typing import Any, Sequence
+
+from . import RendezvousParams, list_backends, parse_backend_url
+from .errors import ConfigError, RdzvError
+from .kv import KVBackend, join_key
+from .rendezvous import Rendezvous
+
+__all__ = ["main"]
+
+
+def _open(url: str) -> tuple[KVBackend, Rendezvous]:
+    info, parsed = parse_backend_url(url)
+    kv = info.spec.open(parsed)
+    params = RendezvousParams(min_nodes=1, prefix=parsed.params.get("prefix", "torchelastic/p2p"))
+    return kv, Rendezvous(kv, parsed.run_id, params)
+
+
+def _confirm(args: argparse.Namespace, what: str) -> bool:
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        print(f"rdzv: refusing to {what} without --yes (no terminal to ask)", file=sys.stderr)
+        return False
+    return input(f"{what}? [y/N] ").strip().lower() in ("y", "yes")
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    rows = {s: {"distribution": b.distribution, "name": b.spec.name, **b.spec.capabilities.as_dict()}
+            for s, b in list_backends().items()}
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'scheme':<10} {'backend':<10} {'distribution':<16} {'multi_host':<10} {'server_ttl':<10} {'watch':<6} tls")
+    for scheme, r in rows.items():
+        print(f"{scheme:<10} {r['name']:<10} {r['distribution']:<16} {str(r['multi_host']):<10} "
+              f"{str(r['server_side_ttl']):<10} {str(r['native_watch']):<6} {r['tls']}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    kv, rdzv = _open(args.url)
+    with kv:
+        state = rdzv.describe()
+    if args.json:
+        print(json.dumps(state, indent=2, default=str))
+        return 0
+    print(f"{'run id':<13} {state['run_id']}")
+    print(f"{'state':<13} {state['status']}")
+    for key in ("version", "participants", "joined", "waiting"):
+        if key in state:
+            print(f"{key:<13} {state[key]}")
+    for member in state.get("alive", []):
+        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')})")
+    return 0
+
+
+def cmd_close(args: argparse.Namespace) -> int:
+    if not _confirm(args, f"close run {args.url.split('?')[0].rsplit('/', 1)[-1]}"):
+        return 1
+    kv, rdzv = _open(args.url)
+    with kv:
+        rdzv.set_closed()
+    print("closed")
+    return 0
+
+
+def cmd_reset(args: argparse.Namespace) -> int:
+    if not _confirm(args, f"delete all state of run {args.url.split('?')[0].rsplit('/', 1)[-1]}"):
+        return 1
+    kv, rdzv = _open(args.url)
+    with kv:
+        entries, _ = kv.list(rdzv.root + "/")
+        for entry in entries:
+            kv.delete(entry.key)
+    print(f"deleted {len(entries)} keys")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    info, parsed = parse_backend_url(args.url, require_run_id=False)
+    report: dict[str, Any] = {"scheme": parsed.scheme, "capabilities": info.spec.capabilities.as_dict()}
+    t0 = time.monotonic()
+    kv = info.spec.open(parsed)
+    report["connect_ms"] = round((time.monotonic() - t0) * 1000, 2)
+    prefix = join_key("rdzv-check", uuid.uuid4().hex) + "/"
+    checks: dict[str, bool] = {}
+    lat: list[float] = []
+    with kv:
+        try:
+            for i in range(5):
+                s = time.monotonic()
+                e = kv.put(prefix + "k", str(i).encode())
+                lat.append(time.monotonic() - s)
+            got = kv.get(prefix + "k")
+            checks["put/get"] = got is not None and got.value == b"4"
+            cas = kv.compare_and_swap(prefix + "k", b"x", e.revision)
+            checks["compare_and_swap"] = cas.revision > e.revision
+            checks["add"] = kv.add(prefix + "n", 2) == 2 and kv.add(prefix + "n", 3) == 5
+            checks["watch"] = bool(kv.watch(prefix, e.revision, 2.0))
+            kv.put(prefix + "t", b"", ttl=0.5)
+            checks["ttl"] = bool(_wait_gone(kv, prefix + "t", 0.5 + 2 * info.spec.capabilities.ttl_resolution + 2))
+        finally:
+            for entry in kv.list(prefix)[0]:
+                kv.delete(entry.key)
+    report["checks"] = checks
+    report["put_latency_ms_median"] = round(sorted(lat)[len(lat) // 2] * 1000, 2)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(f"{parsed.scheme}: connected in {report['connect_ms']} ms; put median {report['put_latency_ms_median']} ms")
+        for name, ok in checks.items():
+            print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+    return 0 if all(checks.values()) else 1
+
+
+def _wait_gone(kv: KVBackend, key: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if kv.get(key) is None:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rdzv", description="Inspect and manage rdzv rendezvous runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("backends", help="list installed backends")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_backends)
+    for name, fn, helptext in (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("url")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(fn=fn)
+    for name, fn, helptext in (("close", cmd_close, "close a run"), ("reset", cmd_reset, "delete a run's state")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("url")
+        p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+        p.set_defaults(fn=fn)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rdzv`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except ConfigError as exc:
+        print(f"rdzv: {exc}", file=sys.stderr)
+        return 2
+    except RdzvError as exc:
+        print(f"rdzv: {type(exc).__name__}: {exc} (is the server running and the URL right?)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""The operator command ``rdzv``: outcomes and exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from rdzv_core import Rendezvous, RendezvousParams, open_backend
+
+
+def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "rdzv_core.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+def test_backends_lists_builtins_as_json() -> None:
+    out = _rdzv("backends", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    for scheme in ("memory", "file", "redis", "etcd-v2", "etcd-v3"):
+        assert rows[scheme]["distribution"] == "rdzv"
+
+
+def test_status_close_reset_on_a_live_run(tmp_path) -> None:
+    url = f"file://{tmp_path}/job{uuid.uuid4().hex[:6]}"
+    kv = open_backend(url.rsplit("/", 1)[0] + "/")
+    member = Rendezvous(kv, url.rsplit("/", 1)[1], RendezvousParams(min_nodes=1, keep_alive_ttl=30))
+    result = member.next_round()
+    status = json.loads(_rdzv("status", url, "--json").stdout)
+    assert (status["status"], status["version"], status["participants"]) == ("final", result.version, 1)
+    assert [m["rank"] for m in status["alive"]] == [0]
+    assert _rdzv("close", url).returncode == 1  # no terminal, no --yes: refuses
+    assert not member.is_closed()
+    assert _rdzv("close", url, "--yes").returncode == 0
+    assert member.is_closed()
+    assert _rdzv("reset", url, "--yes").returncode == 0
+    assert json.loads(_rdzv("status", url, "--json").stdout)["status"] == "absent"
+    member.leave()
+    kv.close()
+
+
+def test_check_reports_every_protocol_check(tmp_path) -> None:
+    out = _rdzv("check", f"file://{tmp_path}/", "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["checks"] and all(report["checks"].values())
+
+
+@pytest.mark.parametrize("args, code", [(("status", "nosuch://h/run"), 2), (("status", "file:///tmp/x/.."), 2)])
+def test_errors_are_one_line_with_exit_code(args: tuple[str, ...], code: int) -> None:
+    out = _rdzv(*args)
+    assert out.returncode == code
+    assert len(out.stderr.strip().splitlines()) == 1
