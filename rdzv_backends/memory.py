@@ -98,7 +98,8 @@ class MemoryBackend(KVBackend):
     """
 
     capabilities = Capabilities(
-        multi_host=False, server_side_ttl=False, native_watch=True, persistent=False, ttl_resolution=0.05
+        multi_host=False, server_side_ttl=False, native_watch=True, persistent=False, multi_process=False,
+        ttl_resolution=0.05
     )
 
     def __init__(self, name: str = "default") -> None:

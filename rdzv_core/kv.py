@@ -28,7 +28,8 @@ TTL
     float seconds > 0, or ``None`` for a key that lives until deleted. Expiry is
     judged by the server (or, for server-less backends, the host's clock) and is
     visible to ``watch`` as a :attr:`EventType.DELETE` event. Writing a key with
-    ``ttl=None`` removes any TTL it had.
+    ``ttl=None`` removes any TTL it had; ``add`` keeps the TTL the key has;
+    ``refresh`` gives the key a TTL of ``ttl`` seconds from now, also when it had none.
 Watch
     ``watch(prefix, after_revision, timeout)`` returns the events under ``prefix``
     with revision > ``after_revision`` (in revision order), blocking until there
@@ -36,7 +37,11 @@ Watch
     return fewer events than exist (callers re-read and watch again) but never
     an event at or below ``after_revision``. :class:`HistoryCompacted` means the
     history after ``after_revision`` is gone: re-read, then watch from the
-    revision read.
+    revision read. Closing the backend while a watch runs makes that watch return
+    ``[]`` or raise :class:`~rdzv_core.errors.BackendClosed` promptly.
+Counters
+    ``add`` stores ASCII decimal (``-?[0-9]+``); any other present value is a
+    :class:`~rdzv_core.errors.KVError`.
 
 The errors are drawn in :mod:`rdzv_core.errors`.
 """
@@ -68,6 +73,7 @@ __all__ = [
 
 MAX_KEY_CHARS = 1024
 _SEGMENT = re.compile(r"[A-Za-z0-9_\-.=%+:@~]{1,255}")
+_COUNTER = re.compile(rb"-?[0-9]{1,30}")
 _SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
@@ -416,10 +422,9 @@ def _check_revision(revision: int) -> int:
 
 def parse_counter(key: str, raw: bytes) -> int:
     """Parse a value written by ``add`` (ASCII decimal); raise :class:`KVError` if it is not one."""
-    try:
-        return int(raw.decode("ascii"))
-    except (UnicodeDecodeError, ValueError):
-        raise KVError(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key) from None
+    if not _COUNTER.fullmatch(raw):
+        raise KVError(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key)
+    return int(raw)
 
 
 def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: float) -> bool:
