@@ -1,0 +1,144 @@
+"""Real ``redis-server`` controllers for tests: plain (:class:`RedisServer`) and TLS (:class:`RedisTLSServer`).
+
+The server runs on ``127.0.0.1`` with its own data directory and an append-only
+file (``--appendonly yes --appendfsync no``): Redis writes each command to the
+file before it replies, and only the fsync is left to the OS, so a ``kill()``
+(SIGKILL) followed by ``start()`` on the same port brings back every
+acknowledged write and the revision counter — a restart looks like a server
+that was briefly away, not one that lost its data (a power loss could lose the
+last writes; tests do not pull the plug). ``appendfsync always`` would cost
+about 4 ms per write here. Pass ``appendonly=False``
+for a server that forgets everything on restart. ``--save ''`` turns RDB
+snapshots off; ``--notify-keyspace-events Ex`` is set for tools that listen
+for expiries (the Redis backend itself does not need it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+import time
+from typing import Sequence
+
+from .servers import ServerProcess
+
+__all__ = ["RedisServer", "RedisTLSServer"]
+
+
+class RedisServer(ServerProcess):
+    """``redis-server`` on a free loopback port.
+
+    Args:
+        appendonly: keep data across kill/start through the AOF (default ``True``).
+        extra_args: more ``redis-server`` arguments (e.g. ``("--maxmemory", "100mb")``).
+
+    Raises (from :meth:`start`):
+        RuntimeError: the server did not answer ``PING`` within ``start_timeout`` seconds.
+        FileNotFoundError: no ``redis-server`` on ``PATH``.
+    """
+
+    name = "redis"
+    executable = "redis-server"
+
+    def __init__(self, *, appendonly: bool = True, extra_args: Sequence[str] = ()) -> None:
+        super().__init__()
+        self.appendonly = appendonly
+        self.extra_args = tuple(extra_args)
+
+    def port_args(self) -> list[str]:
+        """The arguments that open the listening port."""
+        return ["--port", str(self.port)]
+
+    def command(self) -> Sequence[str]:
+        exe = shutil.which(self.executable) or self.executable
+        aof = ["--appendonly", "yes", "--appendfsync", "no"] if self.appendonly else ["--appendonly", "no"]
+        return [
+            exe, *self.port_args(), "--bind", self.host, "--save", "", *aof, "--dir", self.data_dir,
+            "--notify-keyspace-events", "Ex", "--daemonize", "no", "--logfile", "", *self.extra_args,
+        ]
+
+    def connect(self, timeout: float = 0.5) -> socket.socket:
+        """A raw socket to the server (TLS-wrapped in the TLS variant)."""
+        return socket.create_connection((self.host, self.port), timeout=timeout)
+
+    def ready(self) -> bool:
+        """The server answers ``PING`` with ``+PONG`` (not ``-LOADING`` while it reads its AOF)."""
+        try:
+            with self.connect() as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(64).startswith(b"+PONG"):
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.05)
+        return False
+
+    def url(self, run_id: str = "", **query: str) -> str:
+        """A ``redis://`` URL for this server (``run_id`` and query keys optional)."""
+        tail = "&".join(f"{k}={v}" for k, v in query.items())
+        return f"redis://{self.address}/{run_id}" + (f"?{tail}" if tail else "")
+
+
+class RedisTLSServer(RedisServer):
+    """``redis-server`` that speaks only TLS, with certificates from a fresh ``trustme`` CA.
+
+    Args:
+        auth_clients: ``"no"``, ``"optional"`` or ``"yes"`` — whether clients must
+            present a certificate signed by the CA (``--tls-auth-clients``).
+        server_names: the names (and IP addresses) the server's certificate is issued for.
+        appendonly, extra_args: as :class:`RedisServer`.
+
+    Attributes:
+        ca_path: the CA certificate (PEM) that signed the server's and the client's certificates.
+        client_cert_path, client_key_path: a client certificate and its key (PEM).
+    """
+
+    name = "redis-tls"
+
+    def __init__(self, *, auth_clients: str = "optional", server_names: Sequence[str] = ("127.0.0.1", "localhost"),
+                 appendonly: bool = True, extra_args: Sequence[str] = ()) -> None:
+        import trustme
+
+        super().__init__(appendonly=appendonly, extra_args=extra_args)
+        self.auth_clients = auth_clients
+        ca = trustme.CA()
+        server = ca.issue_cert(*server_names)
+        client = ca.issue_cert("rdzv-client@example.org")
+        self.ca_path = self._path("ca.pem")
+        self.server_cert_path = self._path("server.pem")
+        self.server_key_path = self._path("server.key")
+        self.client_cert_path = self._path("client.pem")
+        self.client_key_path = self._path("client.key")
+        ca.cert_pem.write_to_path(self.ca_path)
+        server.cert_chain_pems[0].write_to_path(self.server_cert_path)
+        server.private_key_pem.write_to_path(self.server_key_path)
+        client.cert_chain_pems[0].write_to_path(self.client_cert_path)
+        client.private_key_pem.write_to_path(self.client_key_path)
+        self._client_context = ssl.create_default_context(cafile=self.ca_path)
+        self._client_context.check_hostname = False  # ready() checks liveness, whatever the names
+        client.configure_cert(self._client_context)
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.data_dir, name)
+
+    def port_args(self) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(self.port),
+            "--tls-cert-file", self.server_cert_path, "--tls-key-file", self.server_key_path,
+            "--tls-ca-cert-file", self.ca_path, "--tls-auth-clients", self.auth_clients,
+        ]
+
+    def connect(self, timeout: float = 0.5) -> socket.socket:
+        sock = super().connect(timeout)
+        try:
+            return self._client_context.wrap_socket(sock, server_hostname=self.host)
+        except BaseException:
+            sock.close()
+            raise
+
+    def url(self, run_id: str = "", **query: str) -> str:
+        """A ``rediss://`` URL with ``cacert`` set to this server's CA (plus ``query``)."""
+        tail = "&".join(f"{k}={v}" for k, v in {"cacert": self.ca_path, **query}.items())
+        return f"rediss://{self.address}/{run_id}?{tail}"
