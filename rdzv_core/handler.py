@@ -17,6 +17,7 @@ import functools
 import logging
 from typing import Any, Callable, TypeVar
 
+import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from . import errors
@@ -140,8 +141,17 @@ class RdzvHandler(torch_api.RendezvousHandler):
     def next_rendezvous(self) -> torch_api.RendezvousInfo:
         """Join the next round; block until it is final (see ``Rendezvous.next_round``)."""
         result = self._rdzv.next_round()
-        store = KVStore(self._kv, self._rdzv.store_prefix(result.version), self._store_timeout)
-        bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, store, self._local_addr)
+        prefix = self._rdzv.store_prefix(result.version)
+        store = KVStore(self._kv, prefix, self._store_timeout)
+        # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it no longer than the
+        # keep-alive TTL allows a dead rank 0 to go unnoticed, plus the rendezvous timeout's slack.
+        wait = datetime.timedelta(seconds=min(self._store_timeout.total_seconds(), self.params.timeout))
+        try:
+            bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, KVStore(self._kv, prefix, wait), self._local_addr)
+        except dist.DistStoreError as exc:
+            raise torch_api.RendezvousTimeoutError(
+                f"round {result.version}: rank 0 did not publish MASTER_ADDR/MASTER_PORT within {wait}: {exc}"
+            ) from exc
         return torch_api.RendezvousInfo(store, result.rank, result.world_size, bootstrap)
 
     @_mapped

@@ -1,0 +1,262 @@
+"""``rdzv-run``: torchrun's launcher over any ``rdzv`` backend.
+
+``main()`` parses the options (:mod:`rdzv_agent.cli`), builds the handler with
+:func:`rdzv_core.create_handler`, runs a :class:`~rdzv_agent.local.LocalElasticAgent`
+and prints a one-screen summary (:mod:`rdzv_agent.report`).
+
+Exit status:
+
+* 0 — the workers succeeded (the launcher then closes the run with ``set_closed()``);
+* 1 — the workers failed with no restarts left, the rendezvous timed out, the run
+  was already closed, the backend was unreachable, or a worker could not be started;
+* 2 — bad arguments or URL (one line on stderr);
+* 128 + N — stopped by signal N (SIGTERM, SIGINT, SIGHUP): the signal is forwarded
+  to the workers, they are stopped, and the handler's ``shutdown()`` leaves the
+  rendezvous *without* closing the run, so the other nodes re-form without this one.
+
+Secrets: the URL's password never reaches the workers' environment (``RDZV_URL``
+and variables holding the password are dropped), their command lines, the logs
+or the summary (the URL is shown redacted). If the password is on the
+launcher's own command line, the launcher re-executes itself at once with the
+URL moved into ``RDZV_URL`` (same pid), so ``ps`` no longer shows it; passing
+the URL in ``RDZV_URL`` from the start keeps it off the command line entirely.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import urllib.parse
+from typing import Any, Mapping, Sequence
+
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousClosedError,
+    RendezvousError,
+    RendezvousGracefulExitError,
+    RendezvousTimeoutError,
+)
+
+import rdzv_core
+
+from . import cli
+from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
+from .local import LocalElasticAgent
+from .report import Reporter, Summary
+from .simple import AgentEvent
+
+__all__ = ["main", "worker_environment", "EXIT_FAILURE", "EXIT_USAGE"]
+
+log = logging.getLogger(__name__)
+
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _password_forms(password: str | None) -> list[str]:
+    if not password:
+        return []
+    return sorted({password, urllib.parse.quote(password, safe=""), urllib.parse.quote(password)})
+
+
+def worker_environment(environ: Mapping[str, str], password: str | None) -> dict[str, str]:
+    """The workers' base environment: ``environ`` without the rendezvous URL or its password.
+
+    Drops ``RDZV_URL`` and every variable whose value is the password or holds
+    it as URL credentials (``:PASSWORD@``).
+    """
+    forms = _password_forms(password)
+
+    def secret(value: str) -> bool:
+        return any(value == f or f":{f}@" in value for f in forms)
+
+    return {k: v for k, v in environ.items() if k != cli.URL_ENV and not secret(v)}
+
+
+def _configure_logging(level_arg: str | None) -> None:
+    """Configure logging for the CLI only (the library installs no handlers).
+
+    Raises:
+        ConfigError: unknown level name.
+    """
+    level = (level_arg or os.environ.get("LOGLEVEL") or "WARNING").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise rdzv_core.ConfigError("log_level", level, "expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _error(text: str) -> int:
+    sys.stderr.write(f"rdzv-run: error: {text}\n")
+    return EXIT_USAGE
+
+
+def _reexec_without_password(raw_argv: Sequence[str], url: str, password: str | None) -> None:
+    """If the password is on our command line, exec ourselves with the URL in ``RDZV_URL`` instead.
+
+    ``/proc/PID/cmdline`` (what ``ps`` shows every user) then no longer holds it;
+    ``/proc/PID/environ`` is readable by the owner only. Same pid, same signals.
+    Does nothing if the password is not on the command line or stays there anyway.
+    """
+    forms = _password_forms(password)
+    if not forms or not any(f in arg for f in forms for arg in raw_argv):
+        return
+    stripped = cli.strip_rdzv_options(raw_argv)
+    if any(f in arg for f in forms for arg in stripped):
+        log.warning("the rendezvous password appears elsewhere on the command line; not hiding it")
+        return
+    env = {**os.environ, cli.URL_ENV: url}
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "rdzv_agent.launcher", *stripped], env)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``rdzv-run``; return the exit status (see the module docstring).
+
+    Args:
+        argv: the arguments (default ``sys.argv[1:]``; only then may the launcher
+            re-exec itself to take a password off its command line).
+    """
+    raw_argv = list(sys.argv[1:] if argv is None else argv)
+    args = cli.parse_args(raw_argv)  # exits 2 on bad options
+    try:
+        _configure_logging(args.log_level)
+        config = cli.build_config(args)
+        if argv is None and not config.standalone:
+            _reexec_without_password(raw_argv, config.url, rdzv_core.parse_backend_url(config.url)[1].password)
+    except ValueError as exc:
+        return _error(str(exc))
+    standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if config.standalone else None
+    try:
+        url = config.url.replace("{standalone_dir}", standalone_dir) if standalone_dir else config.url
+        return _launch(config, url)
+    finally:
+        if standalone_dir:
+            shutil.rmtree(standalone_dir, ignore_errors=True)
+
+
+def _launch(config: cli.LaunchConfig, url: str) -> int:
+    reporter = Reporter()
+    try:
+        _, parsed = rdzv_core.parse_backend_url(url)
+    except ValueError as exc:
+        return _error(str(exc))
+    options: dict[str, Any] = {"on_progress": reporter.progress}
+    if config.local_addr:
+        options["local_addr"] = config.local_addr
+    try:
+        handler = rdzv_core.create_handler(url, **options)
+    except ValueError as exc:
+        return _error(str(exc))
+    except (rdzv_core.RdzvError, RendezvousError) as exc:
+        reporter.say(f"cannot open the rendezvous {parsed.redacted()}: {exc}")
+        return EXIT_FAILURE
+
+    try:
+        spec = WorkerSpec(
+            config.role, config.nproc_per_node, config.program, config.program_args, handler,
+            max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+            local_addr=config.local_addr,
+        )
+        settings = getattr(handler, "params", None)
+        shown = {k: getattr(settings, k, None) or parsed.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
+
+        def listener(event: AgentEvent) -> None:
+            if event.kind == "rendezvous":
+                reporter.waiting(handler.get_run_id(), shown["min_nodes"], shown["max_nodes"], shown["timeout"],
+                                 event.data["attempt"])
+            else:
+                reporter.event(event)
+
+        agent = LocalElasticAgent(
+            spec, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
+            env=worker_environment(os.environ, parsed.password), listener=listener,
+        )
+    except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
+        handler.shutdown()
+        return _error(str(exc))
+
+    summary = _run(agent, handler)
+    summary.run_id, summary.url = handler.get_run_id(), parsed.redacted()
+    sys.stderr.write(summary.render() + "\n")
+    sys.stderr.flush()
+    return summary.exit_code
+
+
+def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
+    """Run the agent with signal handling; close or leave the rendezvous; build the summary."""
+    pending: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if pending:  # already stopping: note it, do not interrupt the cleanup
+            log.warning("received %s while stopping; still stopping", signal.Signals(signum).name)
+            return
+        pending.append(signum)
+        raise SignalException(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    failures: list[WorkerFailure] = []
+    succeeded = False
+    try:
+        try:
+            try:
+                agent.run()
+            finally:
+                pending.append(0)  # from here on, signals no longer interrupt the cleanup
+            succeeded = True
+            code, outcome = 0, "SUCCEEDED"
+        except WorkerGroupFailureException as exc:
+            failures = [e for e in exc.get_worker_exceptions().values() if isinstance(e, WorkerFailure)]
+            code, outcome = EXIT_FAILURE, f"FAILED: {exc}"
+        except RendezvousGracefulExitError as exc:
+            code, outcome = 0, f"not included in the rendezvous, exiting: {exc}"
+        except RendezvousTimeoutError as exc:
+            code, outcome = EXIT_FAILURE, f"rendezvous timed out: {exc}"
+        except RendezvousClosedError as exc:
+            code, outcome = EXIT_FAILURE, f"the run is closed (finished or closed by another node): {exc}"
+        except (RendezvousError, rdzv_core.RdzvError) as exc:
+            code, outcome = EXIT_FAILURE, f"rendezvous failed: {type(exc).__name__}: {exc}"
+        except SignalException as exc:
+            code, outcome = 128 + exc.signum, f"interrupted: {exc}; workers stopped, left the rendezvous"
+        except OSError as exc:
+            code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
+    finally:  # also when something unexpected propagates: leave the rendezvous, restore signals
+        _finish_rendezvous(handler, succeeded)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    group = agent.get_worker_group()
+    return Summary(
+        outcome=outcome,
+        exit_code=code,
+        restarts_used=agent.restart_count,
+        max_restarts=group.spec.max_restarts,
+        membership_restarts=agent.membership_restarts,
+        group_rank=group.group_rank,
+        group_world_size=group.group_world_size,
+        world_size=group.workers[0].world_size if group.workers else None,
+        workers=agent.worker_exit_codes(),
+        failures=failures,
+        log_dir=agent.log_dir,
+    )
+
+
+def _finish_rendezvous(handler: Any, succeeded: bool) -> None:
+    """On success close the run; always leave it and release the backend (``shutdown()``)."""
+    if succeeded:
+        try:
+            handler.set_closed()
+        except (RendezvousError, rdzv_core.RdzvError) as exc:
+            log.warning("could not mark the run closed: %s", exc)
+    try:
+        handler.shutdown()
+    except (RendezvousError, rdzv_core.RdzvError) as exc:
+        log.warning("could not leave the rendezvous cleanly: %s", exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

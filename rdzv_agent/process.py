@@ -1,0 +1,217 @@
+"""One worker subprocess: started in its own session, stopped with its whole process tree.
+
+Each worker runs in a new session (``start_new_session=True``), so it leads its
+own process group: a Ctrl-C on the launcher's terminal reaches only the
+launcher, which forwards it, and stopping a worker reaches every process the
+worker started. :func:`stop_processes` sends the signal to each worker's
+process group and to every descendant found with psutil (which catches those
+that left the group), waits up to a grace period, then SIGKILLs what is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import Mapping, Sequence
+
+import psutil
+
+from .streams import Std, StreamPump, error_excerpt, stderr_console, stdout_console
+
+__all__ = ["WorkerProcess", "stop_processes"]
+
+
+class WorkerProcess:
+    """A started worker process and its output pumps.
+
+    Args:
+        argv: the command (``argv[0]`` is looked up on ``PATH``).
+        env: the complete environment of the worker.
+        log_dir: directory for ``stdout.log``, ``stderr.log`` and ``error.json``
+            (created); ``TORCHELASTIC_ERROR_FILE`` is set to the latter.
+        redirect: streams that go to the log file only.
+        tee: streams that go to the log file and the console.
+        prefix: console line prefix, e.g. ``"[default0]:"``.
+        on_exit: called from a pump thread when the worker closes its stderr.
+
+    Raises:
+        OSError: the program cannot be executed (e.g. not found).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_dir: str,
+        redirect: Std,
+        tee: Std,
+        prefix: str,
+        on_exit: threading.Event | None = None,
+    ) -> None:
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_dir = log_dir
+        self.stderr_path = os.path.join(log_dir, "stderr.log")
+        self.stdout_path: str | None = None
+        self.error_file = os.path.join(log_dir, "error.json")
+        env = dict(env)
+        env["TORCHELASTIC_ERROR_FILE"] = self.error_file
+
+        stdout_target: int | None = None
+        stdout_file = None
+        if Std.OUT in redirect:
+            self.stdout_path = os.path.join(log_dir, "stdout.log")
+            stdout_file = open(self.stdout_path, "ab")
+        elif Std.OUT in tee:
+            self.stdout_path = os.path.join(log_dir, "stdout.log")
+            stdout_target = subprocess.PIPE
+        try:
+            self.popen = subprocess.Popen(
+                list(argv),
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout_file if stdout_file is not None else stdout_target,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                close_fds=True,
+            )
+        finally:
+            if stdout_file is not None:
+                stdout_file.close()
+        self.pid = self.popen.pid
+        self.started_at = time.monotonic()
+        notify = on_exit.set if on_exit is not None else None
+        if self.popen.stderr is None:  # cannot happen with stderr=PIPE
+            raise RuntimeError("worker started without a stderr pipe")
+        self._stderr = StreamPump(
+            self.popen.stderr, self.stderr_path,
+            None if Std.ERR in redirect else stderr_console, prefix, notify,
+        )
+        self._stdout = None
+        if stdout_target is subprocess.PIPE and self.popen.stdout is not None and self.stdout_path:
+            self._stdout = StreamPump(self.popen.stdout, self.stdout_path, stdout_console, prefix)
+        self._tree: list[psutil.Process] = []
+
+    def poll(self) -> int | None:
+        """The exit status (negative: killed by that signal), or ``None`` while running."""
+        return self.popen.poll()
+
+    @property
+    def exited_at(self) -> float:
+        """Monotonic time the worker closed its stderr (about when it exited), else +inf."""
+        return self._stderr.eof_at if self._stderr.eof_at is not None else float("inf")
+
+    def error(self, max_lines: int = 5) -> str:
+        """The first lines of the worker's error.
+
+        From ``TORCHELASTIC_ERROR_FILE`` if the worker wrote one (torch's ``@record``),
+        otherwise from the end of its stderr. Waits up to 2 s for stderr to drain.
+        """
+        self._stderr.join(2.0)
+        message = _read_error_file(self.error_file)
+        if message:
+            return "\n".join(message.strip().splitlines()[:max_lines])
+        return error_excerpt(self._stderr.tail(), max_lines)
+
+    def send(self, sig: int) -> list[psutil.Process]:
+        """Send ``sig`` to the worker's process group and to descendants outside it.
+
+        Returns:
+            The process tree found (leader first; the last one found if the
+            worker already exited), for waiting on it.
+        """
+        targets: list[psutil.Process] = []
+        if self.popen.poll() is None:  # not reaped yet, so the pid is still our worker's
+            try:
+                leader = psutil.Process(self.pid)
+                targets = [leader, *leader.children(recursive=True)]
+            except psutil.Error:
+                pass
+        self._tree = targets or self._tree
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for proc in self._tree[1:]:  # descendants that left the group (killpg missed them)
+            try:
+                if os.getpgid(proc.pid) != self.pid:
+                    proc.send_signal(sig)
+            except (OSError, psutil.Error):
+                pass
+        return list(self._tree)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Reap the process and wait for the output pumps (after it exited)."""
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        self._stderr.join(timeout)
+        if self._stdout is not None:
+            self._stdout.join(timeout)
+
+
+def _read_error_file(path: str) -> str:
+    """The message of a torchelastic error file (``{"message": {"message": ...}}``), or ``""``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return ""
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        message = message.get("message")
+    return message if isinstance(message, str) else ""
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """True if any process is left in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """Stop ``workers`` and their process trees: ``sig``, up to ``grace`` seconds, then SIGKILL.
+
+    Safe for workers that already exited (what is left of their process group
+    is stopped too). Waits until the workers, their process groups and their
+    known descendants are gone, at most ``grace`` seconds before the SIGKILL;
+    then reaps the workers and waits up to 5 s for their output pumps.
+    """
+    descendants: list[psutil.Process] = []
+    for w in workers:
+        descendants += w.send(sig)[1:]
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if (
+            all(w.poll() is not None for w in workers)
+            and not any(_alive(p) for p in descendants)
+            and not any(_group_alive(w.pid) for w in workers)
+        ):
+            break
+        time.sleep(0.05)
+    for w in workers:  # whatever is left
+        if w.poll() is None or _group_alive(w.pid):
+            w.send(signal.SIGKILL)
+    for p in descendants:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for w in workers:
+        w.close(timeout=5.0)

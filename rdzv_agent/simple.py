@@ -1,0 +1,346 @@
+"""``SimpleElasticAgent``: rendezvous, start, monitor, restart — torchelastic's agent loop.
+
+The loop (the seed's ``SimpleElasticAgent.run``)::
+
+    rendezvous -> start workers -> every monitor_interval:
+        SUCCEEDED           -> return the workers' results
+        FAILED / UNHEALTHY  -> restart (rendezvous again) while max_restarts lasts,
+                               then stop the workers and raise WorkerGroupFailureException
+        HEALTHY             -> if handler.num_nodes_waiting() > 0: restart, which
+                               does NOT spend a restart (membership change)
+
+Additions to the seed: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
+round's store (:mod:`rdzv_agent.master`). Setup trouble makes the agent
+re-rendezvous without spending a restart, at most :data:`MAX_SETUP_RETRIES` times
+per run: a worker that failed because the master port was taken (or rank 0 finds
+it taken just before starting), or a master endpoint that never appeared in the
+store (group rank 0 died right after the round formed). Any exception leaving
+:meth:`run` stops the workers first (forwarding a :class:`SignalException`'s signal).
+
+The agent knows only torch's ``RendezvousHandler`` interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch.distributed import DistError
+from torch.distributed.elastic.rendezvous.api import (
+    RendezvousConnectionError,
+    RendezvousStateError,
+    RendezvousTimeoutError,
+)
+
+from rdzv_core.errors import ConfigError
+
+from . import master
+from .api import (
+    DEFAULT_ROLE,
+    ElasticAgent,
+    MonitorResult,
+    WorkerFailure,
+    WorkerGroup,
+    WorkerGroupFailureException,
+    WorkerSpec,
+    WorkerState,
+)
+
+__all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES"]
+
+log = logging.getLogger(__name__)
+
+#: Re-rendezvous rounds per run for setup trouble (port taken, master endpoint missing).
+MAX_SETUP_RETRIES = 3
+
+
+class _NoMasterEndpoint(Exception):
+    """The round's store never showed group rank 0's master endpoint (or failed while waiting)."""
+
+
+@dataclass(frozen=True)
+class AgentEvent:
+    """Something the agent did, for a listener (e.g. the launcher's progress output).
+
+    Attributes:
+        kind: ``"rendezvous"`` (about to wait for a round), ``"rendezvous_done"``,
+            ``"started"``, ``"restarting"``, ``"succeeded"`` or ``"failed"``.
+        role: the spec's role.
+        data: details by kind — ``rendezvous``: ``attempt``; ``rendezvous_done``:
+            ``group_rank``, ``group_world_size``, ``world_size``, ``global_ranks``,
+            ``master_addr``, ``master_port``; ``started``: ``pids``;
+            ``restarting``: ``reason`` (``"failed"``, ``"membership"``,
+            ``"port_in_use"``, ``"no_master"``), ``remaining_restarts``, ``failures`` or
+            ``nodes_waiting``; ``failed``: ``failures``.
+    """
+
+    kind: str
+    role: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class SimpleElasticAgent(ElasticAgent):
+    """An :class:`ElasticAgent` for the workers of a single :class:`WorkerSpec`.
+
+    Subclasses implement :meth:`_start_workers`, :meth:`_stop_workers` and
+    :meth:`_monitor_workers`, and may override :meth:`_wait` (wake early when a
+    worker exits) and :meth:`_shutdown` (stop on an exception).
+
+    Args:
+        spec: the workers to run.
+        listener: called with an :class:`AgentEvent` at each step (optional);
+            exceptions it raises propagate.
+    """
+
+    def __init__(self, spec: WorkerSpec, listener: Callable[[AgentEvent], None] | None = None) -> None:
+        self._worker_group = WorkerGroup(spec)
+        self._remaining_restarts = spec.max_restarts
+        self._setup_retries_left = MAX_SETUP_RETRIES
+        self._membership_restarts = 0
+        self._rendezvous_count = 0
+        self._listener = listener
+
+    # -- read-only views -------------------------------------------------------------
+
+    def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
+        """The live worker group (this agent runs one role; ``role`` is not checked)."""
+        return self._worker_group
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts spent on failures so far (``TORCHELASTIC_RESTART_COUNT``)."""
+        return self._worker_group.spec.max_restarts - self._remaining_restarts
+
+    @property
+    def membership_restarts(self) -> int:
+        """Restarts caused by nodes joining (not counted against ``max_restarts``)."""
+        return self._membership_restarts
+
+    @property
+    def rendezvous_count(self) -> int:
+        """Rounds this agent has completed (1 after the first start)."""
+        return self._rendezvous_count
+
+    # -- what subclasses implement ------------------------------------------------------
+
+    @abc.abstractmethod
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        """Start ``spec.local_world_size`` workers; return local rank -> worker id."""
+
+    @abc.abstractmethod
+    def _stop_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop every worker of the group, whatever its state (idempotent)."""
+
+    @abc.abstractmethod
+    def _monitor_workers(self, worker_group: WorkerGroup) -> MonitorResult:
+        """Check the workers and return the group's new state."""
+
+    def _wait(self, seconds: float) -> None:
+        """Wait between checks; subclasses may return early when a worker exits."""
+        time.sleep(seconds)
+
+    def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
+        """Stop the workers because :meth:`run` is leaving with an exception."""
+        self._stop_workers(self._worker_group)
+
+    # -- the algorithm ------------------------------------------------------------------------
+
+    def _emit(self, kind: str, **data: Any) -> None:
+        if self._listener is not None:
+            self._listener(AgentEvent(kind, self._worker_group.spec.role, data))
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Join the next round; assign global ranks and the master endpoint.
+
+        Raises:
+            torch ``RendezvousError`` subclasses from the handler;
+            ``RendezvousStateError`` if the handler returns impossible ranks;
+            ``_NoMasterEndpoint`` if the round's store times out (c10d ``DistError``).
+        """
+        spec = worker_group.spec
+        self._emit("rendezvous", attempt=self._rendezvous_count + 1)
+        try:
+            info = spec.rdzv_handler.next_rendezvous()
+        except DistError as exc:  # e.g. torch's RendezvousStoreInfo.build waiting for a vanished rank 0
+            raise _NoMasterEndpoint(f"the round's store failed during the rendezvous: {exc}") from exc
+        store, group_rank, group_world_size = info.store, info.rank, info.world_size
+        if not (isinstance(group_world_size, int) and group_world_size >= 1 and 0 <= group_rank < group_world_size):
+            raise RendezvousStateError(
+                f"handler returned rank {group_rank!r} of world size {group_world_size!r}"
+            )
+        self._rendezvous_count += 1
+        worker_group.store = store
+        worker_group.group_rank = group_rank
+        worker_group.group_world_size = group_world_size
+        if group_rank == 0:
+            port = spec.master_port if spec.master_port is not None else master.choose_port()
+            master.publish(store, master.local_address(spec.local_addr), port)
+        worker_group.master_addr = worker_group.master_port = None
+        try:
+            worker_group.master_addr, worker_group.master_port = master.read(store)
+        except DistError as exc:  # c10d stores raise DistStoreError when the wait times out
+            raise _NoMasterEndpoint(f"no master endpoint in the round's store: {exc}") from exc
+
+        stride = spec.local_world_size
+        world_size = group_world_size * stride
+        for worker in worker_group.workers:
+            worker.global_rank = group_rank * stride + worker.local_rank
+            worker.world_size = world_size
+        ranks = [w.global_rank for w in worker_group.workers]
+        log.info(
+            "[%s] round complete: restart_count=%d group_rank=%d group_world_size=%d "
+            "global_ranks=%s master=%s:%d",
+            spec.role, self.restart_count, group_rank, group_world_size, ranks,
+            worker_group.master_addr, worker_group.master_port,
+        )
+        self._emit(
+            "rendezvous_done",
+            group_rank=group_rank,
+            group_world_size=group_world_size,
+            world_size=world_size,
+            global_ranks=ranks,
+            master_addr=worker_group.master_addr,
+            master_port=worker_group.master_port,
+        )
+
+    def _master_port_taken(self, worker_group: WorkerGroup) -> bool:
+        """On group rank 0 with a chosen port: has something taken it since?"""
+        return (
+            worker_group.group_rank == 0
+            and worker_group.spec.master_port is None
+            and worker_group.master_port is not None
+            and not master.port_is_free(worker_group.master_port)
+        )
+
+    def _initialize_workers(self, worker_group: WorkerGroup) -> None:
+        """Rendezvous, then start a fresh set of workers; the group becomes HEALTHY.
+
+        The caller stops running workers first.
+        """
+        role = worker_group.spec.role
+        while True:
+            try:
+                self._rendezvous(worker_group)
+            except _NoMasterEndpoint as exc:  # group rank 0 vanished right after the round formed
+                if self._setup_retries_left <= 0:
+                    raise RendezvousTimeoutError(f"[{role}] {exc}") from exc
+                self._setup_retry("no_master", str(exc))
+                continue
+            if self._setup_retries_left > 0 and self._master_port_taken(worker_group):
+                self._setup_retry("port_in_use", f"master port {worker_group.master_port} was taken before start")
+                continue
+            break
+        worker_ids = self._start_workers(worker_group)
+        for local_rank, worker_id in worker_ids.items():
+            worker_group.workers[local_rank].id = worker_id
+        worker_group.state = WorkerState.HEALTHY
+        self._emit("started", pids=dict(worker_ids))
+
+    def _setup_retry(self, reason: str, detail: str, failures: dict[int, Exception] | None = None) -> None:
+        """Spend one setup retry (not a restart) and say so; the caller re-rendezvouses."""
+        self._setup_retries_left -= 1
+        log.warning("[%s] %s; re-rendezvous (%d setup retries left)", self._worker_group.spec.role, detail,
+                    self._setup_retries_left)
+        self._emit("restarting", reason=reason, remaining_restarts=self._remaining_restarts,
+                   failures=dict(failures or {}))
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        """Stop all local workers, rendezvous again and start new ones."""
+        start = time.monotonic()
+        self._stop_workers(worker_group)
+        worker_group.state = WorkerState.STOPPED
+        self._initialize_workers(worker_group)
+        log.info("[%s] restart took %.1f s", worker_group.spec.role, time.monotonic() - start)
+
+    def _num_nodes_waiting(self) -> int:
+        """``handler.num_nodes_waiting()``; 0 (and a warning) if the backend is unreachable.
+
+        The workers keep running while the backend is away; membership changes are
+        seen again once it is back.
+        """
+        try:
+            return int(self._worker_group.spec.rdzv_handler.num_nodes_waiting())
+        except RendezvousConnectionError as exc:
+            log.warning("[%s] cannot check for waiting nodes: %s", self._worker_group.spec.role, exc)
+            return 0
+
+    def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
+        """Run the workers until they succeed or the agent gives up.
+
+        Returns:
+            Each local worker's result by global rank.
+
+        Raises:
+            ConfigError: ``role`` is not this agent's role (when given explicitly).
+            WorkerGroupFailureException: a FAILED/UNHEALTHY group with no restarts left.
+            torch ``RendezvousError`` subclasses: timeout, closed run, backend unreachable.
+            Whatever interrupted the agent (e.g. :class:`SignalException`); the
+            workers are stopped first in every case.
+        """
+        spec = self._worker_group.spec
+        if role not in (DEFAULT_ROLE, spec.role):
+            raise ConfigError("role", role, f"this agent runs role {spec.role!r} only")
+        try:
+            return self._invoke_run()
+        except BaseException as exc:
+            self._shutdown(getattr(exc, "signum", signal.SIGTERM))  # idempotent
+            raise
+
+    def _invoke_run(self) -> dict[int, Any]:
+        group = self._worker_group
+        spec = group.spec
+        role = spec.role
+        self._initialize_workers(group)
+        while True:
+            if group.state == WorkerState.INIT:
+                raise RuntimeError(f"[{role}] worker group was never started")
+            self._wait(spec.monitor_interval)
+            result = self._monitor_workers(group)
+            state = result.state
+            group.state = state
+
+            if state == WorkerState.SUCCEEDED:
+                log.info("[%s] all workers finished successfully", role)
+                self._emit("succeeded", results=dict(result.ret_vals))
+                return result.ret_vals
+            if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
+                self._handle_failure(group, result)
+            elif state == WorkerState.HEALTHY:
+                waiting = self._num_nodes_waiting()
+                if waiting > 0:
+                    self._membership_restarts += 1
+                    log.info("[%s] %d node(s) waiting to join (group_rank=%s); restarting the group",
+                             role, waiting, group.group_rank)
+                    self._emit("restarting", reason="membership", remaining_restarts=self._remaining_restarts,
+                               nodes_waiting=waiting)
+                    self._restart_workers(group)
+            else:
+                raise RuntimeError(f"[{role}] worker group in {state.name} state")
+
+    def _handle_failure(self, group: WorkerGroup, result: MonitorResult) -> None:
+        spec = group.spec
+        failures = dict(result.exceptions)
+        port_conflict = spec.master_port is None and any(
+            isinstance(exc, WorkerFailure) and exc.master_port_in_use for exc in failures.values()
+        )
+        if port_conflict and self._setup_retries_left > 0:
+            self._setup_retry("port_in_use", f"a worker could not bind MASTER_PORT={group.master_port}", failures)
+            self._restart_workers(group)
+        elif self._remaining_restarts > 0:
+            log.info("[%s] worker group %s; %d/%d restarts left; restarting", spec.role, result.state.name,
+                     self._remaining_restarts, spec.max_restarts)
+            self._remaining_restarts -= 1
+            self._emit("restarting", reason="failed", remaining_restarts=self._remaining_restarts,
+                       failures=failures)
+            self._restart_workers(group)
+        else:
+            self._stop_workers(group)
+            group.state = WorkerState.FAILED
+            self._emit("failed", failures=failures)
+            raise WorkerGroupFailureException(
+                f"[{spec.role}] worker group failed; max_restarts={spec.max_restarts} spent", failures
+            )

@@ -1,0 +1,1 @@
+"""Worker scripts and the process harness for the agent tests."""

@@ -1,0 +1,180 @@
+"""Test harness: start ``rdzv-run`` processes, wait on their output with deadlines, kill everything.
+
+Every launcher runs in its own session; its workers run in theirs. Cleanup
+finds the workers even after their launcher died, by the run id that each
+worker has in ``TORCHELASTIC_RUN_ID``, and SIGKILLs every process group.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, Iterable, Sequence
+
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "worker.py")
+REPO = os.path.dirname(os.path.dirname(HERE))
+TRAIN_DIGITS = os.path.join(REPO, "examples", "train_digits.py")
+
+
+class Launcher:
+    """One ``rdzv-run`` process; stdout and stderr go to files in ``workdir``.
+
+    Args:
+        argv: arguments after ``rdzv-run``.
+        workdir: directory for ``NAME.out`` / ``NAME.err``.
+        name: label for messages and file names.
+        env: extra environment variables.
+        gate: if given, the launcher imports everything first and starts only
+            once this file exists (a pre-warmed node that joins on cue).
+    """
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        workdir: str,
+        name: str,
+        env: dict[str, str] | None = None,
+        gate: str | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.out_path = os.path.join(workdir, f"{name}.out")
+        self.err_path = os.path.join(workdir, f"{name}.err")
+        if gate is None:
+            cmd = [sys.executable, "-m", "rdzv_agent.launcher", *argv]
+        else:
+            code = (
+                "import os, sys, time\n"
+                "from rdzv_agent.launcher import main\n"
+                f"gate = {gate!r}\n"
+                "deadline = time.monotonic() + 300\n"
+                "while not os.path.exists(gate) and time.monotonic() < deadline:\n"
+                "    time.sleep(0.02)\n"
+                "sys.exit(main(sys.argv[1:]))\n"
+            )
+            cmd = [sys.executable, "-c", code, *argv]
+        full_env = dict(os.environ)
+        full_env.pop("RDZV_URL", None)
+        tmpdir = os.path.join(workdir, "tmp")  # default log dirs land here, not in /tmp
+        os.makedirs(tmpdir, exist_ok=True)
+        full_env["TMPDIR"] = tmpdir
+        full_env.update(env or {})
+        with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=full_env,
+                start_new_session=True, cwd=workdir,
+            )
+        self.known: set[int] = set()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stdout(self) -> str:
+        with open(self.out_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def stderr(self) -> str:
+        with open(self.err_path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+
+    def descendants(self) -> list[int]:
+        """Pids of the launcher's live descendants (remembered for cleanup)."""
+        try:
+            pids = [p.pid for p in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            pids = []
+        self.known.update(pids)
+        return pids
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; raises ``AssertionError`` with the output tail if not exited in time."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{self.name} did not exit within {timeout} s\n{self.tail()}") from None
+
+    def tail(self, chars: int = 3000) -> str:
+        return f"--- {self.name} stdout ---\n{self.stdout()[-chars:]}\n--- {self.name} stderr ---\n{self.stderr()[-chars:]}"
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher and every descendant's process group."""
+        self.descendants()
+        for pid in [self.pid, *self.known]:
+            _kill_group(pid)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _kill_group(pid: int) -> None:
+    for fn in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+        try:
+            fn()
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def processes_of_run(run_id: str) -> list[psutil.Process]:
+    """Live processes whose environment has ``TORCHELASTIC_RUN_ID=run_id`` (the workers)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.pid == os.getpid() or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if proc.environ().get("TORCHELASTIC_RUN_ID") == run_id:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def kill_run(launchers: Iterable[Launcher], run_ids: Iterable[str]) -> None:
+    """Kill every launcher and every worker of ``run_ids``; wait until they are gone."""
+    for launcher in launchers:
+        launcher.kill_all()
+    for run_id in run_ids:
+        procs = processes_of_run(run_id)
+        for proc in procs:
+            _kill_group(proc.pid)
+        psutil.wait_procs(procs, timeout=10)
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, what: str,
+               on_timeout: Callable[[], str] | None = None) -> object:
+    """Poll ``predicate`` every 50 ms until it returns a truthy value; fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            detail = on_timeout() if on_timeout else ""
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{detail}")
+        time.sleep(0.05)
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def ints_after(prefix: str, text: str) -> list[int]:
+    """Every integer that follows ``prefix`` at the start of a line, in order."""
+    return [int(m) for m in re.findall(rf"^{re.escape(prefix)}\s*(\d+)\s*$", text, re.MULTILINE)]
+
+
+def accuracies(text: str) -> list[float]:
+    """Every ``accuracy=0.xxxx`` line's value."""
+    return [float(m) for m in re.findall(r"^accuracy=([0-9.]+)\s*$", text, re.MULTILINE)]

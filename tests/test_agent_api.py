@@ -1,0 +1,281 @@
+"""Agent API, output handling and option parsing: no processes, no backend."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+import pytest
+
+import rdzv_agent
+from rdzv_agent import cli, master
+from rdzv_agent.api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState, describe_exit
+from rdzv_agent.launcher import worker_environment
+from rdzv_agent.streams import Std, error_excerpt, parse_std, std_for_rank
+from rdzv_core.errors import ConfigError
+
+
+class _Handler:
+    """Only identity matters to WorkerSpec; nothing calls it in these tests."""
+
+
+def spec(**kw):
+    args = dict(role="trainer", local_world_size=2, fn=sys.executable, args=("x.py",), rdzv_handler=_Handler())
+    args.update(kw)
+    return WorkerSpec(**args)
+
+
+def test_public_names():
+    assert set(rdzv_agent.__all__) >= {
+        "WorkerSpec", "Worker", "WorkerState", "WorkerGroup", "MonitorResult", "ElasticAgent",
+        "SimpleElasticAgent", "WorkerGroupFailureException", "LocalElasticAgent",
+    }
+    for name in rdzv_agent.__all__:
+        assert hasattr(rdzv_agent, name)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("local_world_size", 0),
+        ("local_world_size", 1.5),
+        ("max_restarts", -1),
+        ("max_restarts", True),
+        ("monitor_interval", 0),
+        ("monitor_interval", float("nan")),
+        ("monitor_interval", "1"),
+        ("role", ""),
+        ("role", "two words"),
+        ("master_port", 0),
+        ("master_port", 70000),
+        ("fn", ""),
+        ("rdzv_handler", None),
+        ("local_addr", ""),
+    ],
+)
+def test_worker_spec_rejects_bad_fields(field, value):
+    with pytest.raises(ConfigError) as info:
+        spec(**{field: value})
+    assert info.value.field == field
+    assert info.value.value == value or value != value  # nan != nan
+    assert isinstance(info.value, ValueError)
+
+
+def test_worker_spec_accepts_zero_restarts_and_builds_group():
+    s = spec(max_restarts=0, monitor_interval=0.1)
+    group = WorkerGroup(s)
+    assert s.max_restarts == 0
+    assert [w.local_rank for w in group.workers] == [0, 1]
+    assert group.state == WorkerState.INIT
+    assert all(w.global_rank is None for w in group.workers)
+
+
+def test_worker_state_running():
+    assert WorkerState.is_running(WorkerState.HEALTHY)
+    assert WorkerState.is_running(WorkerState.UNHEALTHY)
+    assert not WorkerState.is_running(WorkerState.FAILED)
+
+
+def test_monitor_result_defaults_are_empty():
+    r = MonitorResult(WorkerState.HEALTHY)
+    assert r.ret_vals == {} and r.exceptions == {}
+
+
+def test_worker_failure_describes_rank_exit_and_first_error_line():
+    f = WorkerFailure(3, 1, 7, error="ValueError: boom\nmore", log_path="/x/stderr.log")
+    assert "rank 3" in str(f) and "code 7" in str(f) and "ValueError: boom" in str(f)
+    assert "more" not in str(f)
+    assert describe_exit(-9) == "killed by SIGKILL"
+    assert describe_exit(None) == "did not exit"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0", Std.NONE),
+        ("3", Std.ALL),
+        ("2", Std.ERR),
+        ("0:3,1:0", {0: Std.ALL, 1: Std.NONE}),
+    ],
+)
+def test_parse_std(text, expected):
+    assert parse_std("tee", text) == expected
+
+
+@pytest.mark.parametrize("text", ["4", "a", "0:4", "0:1,0:2", "", "1,2"])
+def test_parse_std_rejects(text):
+    with pytest.raises(ConfigError) as info:
+        parse_std("redirects", text)
+    assert info.value.field == "redirects"
+
+
+def test_std_for_rank():
+    assert std_for_rank(Std.OUT, 5) == Std.OUT
+    assert std_for_rank({1: Std.ERR}, 1) == Std.ERR
+    assert std_for_rank({1: Std.ERR}, 0) == Std.NONE
+
+
+def test_error_excerpt_takes_the_exception_of_the_last_traceback():
+    lines = [
+        "some warning",
+        "Traceback (most recent call last):",
+        '  File "a.py", line 1, in <module>',
+        "    f()",
+        "KeyError: 'first'",
+        "",
+        "During handling of the above exception, another exception occurred:",
+        "",
+        "Traceback (most recent call last):",
+        '  File "a.py", line 3, in <module>',
+        "    raise RuntimeError('second')",
+        "RuntimeError: second",
+        "  detail line",
+    ]
+    assert error_excerpt(lines) == "RuntimeError: second\n  detail line"
+
+
+def test_error_excerpt_without_traceback_uses_the_last_lines():
+    lines = [f"line {i}" for i in range(10)] + [""]
+    assert error_excerpt(lines, max_lines=3) == "line 7\nline 8\nline 9"
+    assert error_excerpt([]) == ""
+
+
+def test_port_in_use_detection():
+    torch_text = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
+                  "network address. port: 1, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
+                  "already in use")
+    assert master.is_port_in_use_error(torch_text)
+    assert master.is_port_in_use_error("OSError: [Errno 98] Address already in use")
+    assert not master.is_port_in_use_error("RuntimeError: boom")
+
+
+def test_port_is_free_sees_a_listening_socket():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen(1)
+        assert not master.port_is_free(s.getsockname()[1])
+    assert master.port_is_free(master.choose_port())
+
+
+# -- rdzv-run options -------------------------------------------------------------------------
+
+
+def config(argv, environ=None, tmp_path=None):
+    return cli.build_config(cli.parse_args(argv), environ or {})
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "train.py"
+    path.write_text("pass\n")
+    return str(path)
+
+
+def test_both_spellings_and_nnodes_forms(script):
+    c = config(["--nproc_per_node", "3", "--nnodes", "2:4", "--rdzv", "file:///d/run", script, "--lr", "1"])
+    assert c.nproc_per_node == 3 and (c.min_nodes, c.max_nodes) == (2, 4)
+    assert c.program == sys.executable and c.program_args == ["-u", script, "--lr", "1"]
+    c = config(["--nproc-per-node", "2", "--nnodes", "2", "--rdzv", "file:///d/run", script])
+    assert (c.min_nodes, c.max_nodes) == (2, 2)
+
+
+def test_nnodes_override_the_url_query_and_aliases(script):
+    c = config(["--nnodes", "2:3", "--rdzv", "etcd://h:1/run?min_workers=5&max_nodes=9&timeout=7", script])
+    assert "min_workers" not in c.url and "timeout=7" in c.url
+    assert "min_nodes=2" in c.url and "max_nodes=3" in c.url and "max_nodes=9" not in c.url
+
+
+def test_url_keeps_its_nodes_without_nnodes(script):
+    c = config(["--rdzv", "etcd://h:1/run?min_nodes=2&max_nodes=3", script])
+    assert c.url == "etcd://h:1/run?min_nodes=2&max_nodes=3"
+    c = config(["--rdzv", "etcd://h:1/run", script])
+    assert "min_nodes=1" in c.url and "max_nodes=1" in c.url
+
+
+def test_backend_endpoint_id_and_conf_build_the_url(script):
+    c = config(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:2379", "--rdzv-id", "job",
+                "--rdzv-conf", "last_call_timeout=1,keep_alive_ttl=2", "--nnodes", "1:2", script])
+    assert c.url.startswith("etcd://h:2379/job?")
+    for part in ("last_call_timeout=1", "keep_alive_ttl=2", "min_nodes=1", "max_nodes=2"):
+        assert part in c.url
+    c = config(["--rdzv_backend", "file", "--rdzv_endpoint", "/tmp/x/", "--rdzv_id", "job", script])
+    assert c.url.startswith("file:///tmp/x/job?")
+
+
+def test_url_from_environment(script):
+    c = config([script], environ={cli.URL_ENV: "file:///d/run"})
+    assert c.url.startswith("file:///d/run")
+
+
+def test_module_and_no_python(script, tmp_path):
+    c = config(["--standalone", "-m", "pkg.mod", "a"])
+    assert c.program_args == ["-u", "-m", "pkg.mod", "a"] and c.standalone
+    exe = tmp_path / "run.sh"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    c = config(["--standalone", "--no-python", str(exe), "b"])
+    assert c.program == str(exe) and c.program_args == ["b"]
+
+
+@pytest.mark.parametrize(
+    "argv, field",
+    [
+        (["--standalone", "--rdzv", "file:///d/r", "S"], "rendezvous"),
+        (["S"], "rendezvous"),
+        (["--rdzv-backend", "etcd", "S"], "rdzv_endpoint"),
+        (["--standalone", "--nnodes", "2", "S"], "nnodes"),
+        (["--standalone", "-m", "--no-python", "x"], "module"),
+        (["--standalone", "/no/such/script.py"], "script"),
+        (["--standalone", "--no-python", "/no/such/exe"], "script"),
+        (["--rdzv", "file:///d/r", "--rdzv-conf", "novalue", "S"], "rdzv_conf"),
+    ],
+)
+def test_bad_combinations_name_the_option(argv, field, script):
+    argv = [script if a == "S" else a for a in argv]
+    with pytest.raises(ConfigError) as info:
+        config(argv)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--nnodes", "3:2", "--standalone", "x"],
+        ["--nnodes", "0", "--standalone", "x"],
+        ["--nnodes", "a", "--standalone", "x"],
+        ["--nproc-per-node", "0", "--standalone", "x"],
+        ["--max-restarts", "-1", "--standalone", "x"],
+        ["--monitor-interval", "0", "--standalone", "x"],
+        ["--tee", "7", "--standalone", "x"],
+        ["--standalone"],
+    ],
+)
+def test_bad_values_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.parse_args(argv)
+    assert info.value.code == 2
+
+
+def test_worker_environment_drops_the_url_and_password():
+    env = {
+        "PATH": "/usr/bin",
+        cli.URL_ENV: "etcd://u:pw%2Fx@h/run",
+        "OTHER_URL": "redis://u:pw/x@h:1/0",
+        "PASSWORD": "pw/x",
+        "HARMLESS": "pw",
+    }
+    out = worker_environment(env, "pw/x")
+    assert out == {"PATH": "/usr/bin", "HARMLESS": "pw"}
+    assert worker_environment(env, None).keys() == env.keys() - {cli.URL_ENV}
+
+
+def test_strip_rdzv_options_keeps_everything_else():
+    argv = ["--nnodes", "2", "--rdzv", "etcd://u:pw@h/r", "-m", "--rdzv_id=x", "--standalone",
+            "--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd", "--tee=3", "mod", "--rdzv", "keep"]
+    assert cli.strip_rdzv_options(argv) == ["--nnodes", "2", "-m", "--standalone", "--tee=3", "mod", "--rdzv", "keep"]
+
+
+def test_nnodes_type_messages():
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli._nnodes("2:1")

@@ -1,0 +1,227 @@
+"""``rdzv-run`` as a person runs it: real launcher processes, real workers, a real backend.
+
+The backend is a parameter (the conformance plugin's ``--rdzv-url``; by
+default ``file://``); ``memory://`` is skipped because it lives in one process.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import sys
+import uuid
+
+import psutil
+import pytest
+
+from agent_workers.harness import HERE, WORKER, Launcher, kill_run, pid_alive, wait_until
+from rdzv_agent.launcher import main
+from rdzv_core import create_handler
+
+FAST = {"last_call_timeout": "0.5", "keep_alive_ttl": "2", "timeout": "60"}
+
+
+@pytest.fixture
+def node_url(rdzv_base_url, rdzv_url):
+    """``node_url(run_id, **query)`` -> URL of a fresh run on the backend under test."""
+    if rdzv_base_url.startswith("memory://"):
+        pytest.skip("memory:// is in-process; launchers are separate processes")
+
+    def build(run_id: str, **query: str) -> str:
+        return rdzv_url(run_id=run_id, **{**FAST, **query})
+
+    return build
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Start launchers with ``procs.start(argv, name, **kw)``; all killed at teardown."""
+
+    class Procs:
+        launchers: list[Launcher] = []
+        run_ids: list[str] = []
+
+        def start(self, argv, name, **kw):
+            launcher = Launcher(argv, str(tmp_path), name, **kw)
+            self.launchers.append(launcher)
+            return launcher
+
+    p = Procs()
+    p.launchers, p.run_ids = [], []
+    yield p
+    kill_run(p.launchers, p.run_ids)
+
+
+def records(out_dir):
+    found = []
+    for path in glob.glob(os.path.join(out_dir, "*.json")):
+        with open(path) as f:
+            found.append(json.load(f))
+    return found
+
+
+def new_run(procs):
+    run_id = f"agent{uuid.uuid4().hex[:10]}"
+    procs.run_ids.append(run_id)
+    return run_id
+
+
+def test_failing_worker_exhausts_restarts_and_summary_names_rank_and_error(node_url, procs, tmp_path):
+    run_id = new_run(procs)
+    out = str(tmp_path / "out")
+    marker = f"ERR_{uuid.uuid4().hex[:8]}"
+    launcher = procs.start(
+        ["--rdzv", node_url(run_id), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2",
+         "--monitor-interval", "0.1", WORKER, "--out", out, "--fail-rank", "1", "--message", marker],
+        "node",
+    )
+    assert launcher.wait(120) == 1, launcher.tail()
+    assert len([r for r in records(out) if r["RANK"] == "1"]) == 3  # first run + 2 restarts
+    err = launcher.stderr()
+    summary = err[err.rindex("rdzv-run summary"):]
+    assert marker in summary and "rank 1" in summary
+
+
+def test_standalone_module_with_two_workers(procs, tmp_path):
+    out = str(tmp_path / "out")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    launcher = procs.start(
+        ["--standalone", "--nproc_per_node", "2", "--monitor-interval", "0.1", "-m", "agent_workers.worker",
+         "--out", out],
+        "node", env={"PYTHONPATH": os.path.dirname(HERE), "TMPDIR": str(tmpdir)},
+    )
+    assert launcher.wait(120) == 0, launcher.tail()
+    recs = records(out)
+    assert sorted(r["RANK"] for r in recs) == ["0", "1"]
+    assert all(r["TORCHELASTIC_RUN_ID"].startswith("standalone-") for r in recs)
+    assert not glob.glob(str(tmpdir / "rdzv-standalone-*"))  # the rendezvous directory is removed
+
+
+def test_no_python_runs_any_executable(procs, tmp_path):
+    out = tmp_path / "ranks"
+    launcher = procs.start(
+        ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", "--no-python",
+         "/bin/sh", "-c", f'echo "$RANK/$WORLD_SIZE" >> {out}'],
+        "node",
+    )
+    assert launcher.wait(120) == 0, launcher.tail()
+    assert sorted(out.read_text().split()) == ["0/2", "1/2"]
+
+
+def test_the_url_password_reaches_no_worker_log_or_output(procs, tmp_path):
+    secret = f"pw{uuid.uuid4().hex[:12]}"
+    run_id = new_run(procs)
+    url = f"file://user:{secret}@{tmp_path}/rdzv/{run_id}?last_call_timeout=0.5"
+    out = str(tmp_path / "out")
+    logs = str(tmp_path / "logs")
+    args = ["--nproc-per-node", "2", "--monitor-interval", "0.1", "--log-dir", logs, "--tee", "3",
+            WORKER, "--out", out, "--print", "hello"]
+    via_env = procs.start(args, "env", env={"RDZV_URL": url, "MY_BACKEND": f"etcd://u:{secret}@h:1"})
+    assert via_env.wait(120) == 0, via_env.tail()
+    gate = str(tmp_path / "gate")
+    via_argv = procs.start(["--rdzv", url.replace(run_id, run_id + "b"), *args, "--wait-for", gate], "argv")
+    wait_until(lambda: len(records(out)) == 4, 120, "the second launcher's workers", via_argv.tail)
+    cmdline = " ".join(psutil.Process(via_argv.pid).cmdline())
+    assert secret not in cmdline and "--rdzv" not in cmdline  # the launcher took it off its command line
+    open(gate, "w").close()
+    assert via_argv.wait(120) == 0, via_argv.tail()
+
+    recs = records(out)
+    assert len(recs) == 4
+    for rec in recs:
+        assert secret not in json.dumps(rec["env"])
+        assert "MY_BACKEND" not in rec["env"] and "RDZV_URL" not in rec["env"]
+    for launcher in (via_env, via_argv):
+        assert secret not in launcher.stdout() + launcher.stderr()
+        assert "hello" in launcher.stdout()
+    for root, _, files in os.walk(logs):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                assert secret.encode() not in f.read()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_signal_stops_workers_and_leaves_the_run_open(node_url, procs, tmp_path, sig):
+    run_id = new_run(procs)
+    url = node_url(run_id, min_nodes="1", max_nodes="2")
+    out = str(tmp_path / "out")
+    launcher = procs.start(
+        ["--rdzv", url, "--monitor-interval", "0.1", WORKER, "--out", out, "--child", "--wait-for",
+         str(tmp_path / "never")],
+        "node",
+    )
+    rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
+    os.kill(launcher.pid, sig)
+    assert launcher.wait(60) == 128 + sig, launcher.tail()
+    wait_until(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 10,
+               "the worker and its child to be gone")
+
+    handler = create_handler(url)
+    try:
+        assert not handler.is_closed()
+    finally:
+        handler.shutdown()
+    if sig == signal.SIGTERM:  # the run is still usable: a new node forms a round and finishes
+        again = procs.start(["--rdzv", url, "--monitor-interval", "0.1", WORKER, "--out", out], "again")
+        assert again.wait(120) == 0, again.tail()
+
+
+def test_rendezvous_timeout_exits_1(node_url, procs):
+    run_id = new_run(procs)
+    launcher = procs.start(["--rdzv", node_url(run_id, timeout="2"), "--nnodes", "2", WORKER, "--out", "x"],
+                           "lonely")
+    assert launcher.wait(120) == 1, launcher.tail()
+
+
+def test_closed_run_exits_1_and_success_closes_the_run(node_url, procs, tmp_path):
+    run_id = new_run(procs)
+    url = node_url(run_id)
+    first = procs.start(["--rdzv", url, "--monitor-interval", "0.1", WORKER, "--out", str(tmp_path / "a")], "first")
+    assert first.wait(120) == 0, first.tail()
+    late = procs.start(["--rdzv", url, WORKER, "--out", str(tmp_path / "b")], "late")
+    assert late.wait(120) == 1, late.tail()
+    assert not records(str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--rdzv", "nosuchscheme://h:1/run"],
+        ["--rdzv", "file:///tmp/x/run?bogus_key=1"],
+        ["--rdzv", "file:///tmp/x/run?timeout=-1"],
+        ["--rdzv", "file:///tmp/x/run", "--rdzv-conf", "min_nodes=0"],
+        ["--rdzv", "file:///tmp/x/bad%2Fid"],
+        ["--standalone", "--log-level", "LOUD"],
+        ["--standalone", "--role", "two words"],
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(argv, capsys):
+    assert main([*argv, WORKER]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rdzv-run: error:")
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--nnodes", "3:1", "--standalone", WORKER])
+    assert info.value.code == 2
+
+
+def test_help_exits_0(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "--nproc-per-node" in capsys.readouterr().out
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("rdzv-run")
+    if exe is None:
+        pytest.skip("rdzv-run is not on PATH (package not installed)")
+    assert os.path.exists(exe)
+    assert sys.executable
