@@ -143,8 +143,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         result = self._rdzv.next_round()
         prefix = self._rdzv.store_prefix(result.version)
         store = KVStore(self._kv, prefix, self._store_timeout)
-        # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it no longer than the
-        # keep-alive TTL allows a dead rank 0 to go unnoticed, plus the rendezvous timeout's slack.
+        # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it at most
+        # min(store timeout, rendezvous timeout), then report a timeout (rank 0 died).
         wait = datetime.timedelta(seconds=min(self._store_timeout.total_seconds(), self.params.timeout))
         try:
             bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, KVStore(self._kv, prefix, wait), self._local_addr)
