@@ -1,0 +1,667 @@
+"""``etcd-v3://`` (alias ``etcd3://``) — etcd's v3 gRPC API (client: ``python3-etcd3``).
+
+::
+
+    etcd-v3://[USER:PASSWORD@]HOST[:PORT][,HOST[:PORT]...]/RUN_ID?protocol=https&cacert=...&cert=...&key=...
+
+Query keys are described in :mod:`rdzv_backends._etcd_common`. The backend
+speaks gRPC through ``python3-etcd3``'s generated stubs (``etcd3.etcdrpc``) and
+comparison helpers (``etcd3.transactions``); it does not use that package's
+high-level client, whose fixed per-client timeout, five-minute endpoint
+quarantine, one-time auth token and watch thread do not meet the deadlines
+below.
+
+Mapping of the KV protocol onto v3 (``kv.py`` has the contract):
+
+Keys and values
+    Key ``a/b`` is the v3 key ``/a/b`` (UTF-8); values are stored as they are.
+    A prefix is the key range ``["/" + prefix, "/" + prefix + 1)``. Keys under
+    ``/`` that are not valid keys (written by other programs) are ignored by
+    ``list`` and ``watch``. With etcd auth, grant the URL's user ``readwrite``
+    on the key prefix it uses, e.g.
+    ``etcdctl role grant-permission R --prefix=true readwrite /torchelastic/``.
+Revisions
+    ``Entry.revision`` is the key's ``mod_revision``; ``list`` returns the
+    answer's ``header.revision``.
+Writes
+    ``create`` is a transaction ``version(key) == 0 -> put``; ``compare_and_swap``
+    and ``compare_and_delete`` are transactions on ``mod_revision(key) ==
+    expected``; ``add`` is a read/transaction loop on ``mod_revision`` with
+    jittered backoff until ``operation_timeout`` (the key keeps its lease).
+TTL: one lease per key
+    A write with a TTL grants a new lease of ``ceil(ttl)`` seconds (at least 1)
+    and attaches the key to it; the key's previous lease, if any, is revoked.
+    ``refresh(key, ttl)`` sends one keep-alive for exactly that key's lease, so
+    it renews that key and no other. Leases are never shared between keys:
+    with a per-agent lease, the death of the agent that created a shared key
+    (such as the rendezvous round record) would delete it for everyone. If
+    ``refresh`` asks for a TTL other than the lease's granted TTL, the key is
+    re-put with the same value on a new lease of the asked TTL (in a
+    transaction on its ``mod_revision``): this advances the key's revision and,
+    unlike a keep-alive, is seen by watchers as a ``PUT`` of the unchanged value.
+    etcd's shortest lease is ``ceil(1.5 * election timeout)`` seconds (2 s with
+    the default 1000 ms), and leases are checked for expiry every 500 ms: an
+    expiry is seen up to 2.5 s after the requested TTL (``ttl_resolution``;
+    measured up to 1.45 s on a server whose minimum lease is 1 s).
+Watch
+    One gRPC watch stream per call, from ``after_revision + 1`` on the prefix
+    range, with the call's timeout as its gRPC deadline. A watch below the
+    compaction point answers ``compact_revision``, raised as
+    :class:`~rdzv_core.errors.HistoryCompacted`.
+Failures
+    Each operation has ``operation_timeout`` seconds (query key, default 10).
+    An RPC that never reached a server (connection refused, no leader) moves to
+    the next endpoint and, after a round of failures, is retried with jittered
+    backoff until the deadline, then raises
+    :class:`~rdzv_core.errors.BackendConnectionError`. An RPC that may have been
+    applied (deadline exceeded, connection lost, leader changed) is retried only
+    if repeating it is harmless (reads, ``put``, ``delete``, lease grants and
+    keep-alives); transactions (``create``, the compare-and-* writes, ``add``)
+    raise ``BackendTimeout``/``BackendConnectionError`` instead. A watch
+    retries a lost stream for ``operation_timeout`` seconds from the failure
+    (never past its own timeout). gRPC reconnects within 1 s of a server's
+    return (its default backoff would grow to 2 minutes).
+Auth
+    ``USER:PASSWORD@`` in the URL authenticates against etcd's v3 auth; the
+    token is renewed when etcd reports it invalid. The password never appears
+    in logs, ``repr`` or error messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Iterator, TypeVar
+
+from rdzv_core.errors import (
+    BackendClosed,
+    BackendConnectionError,
+    BackendTimeout,
+    BackendUnavailable,
+    CompareFailed,
+    HistoryCompacted,
+    InvalidKeyError,
+    InvalidURLError,
+    KeyExists,
+    KeyNotFound,
+    KVError,
+)
+from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
+from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.url import RendezvousURL
+
+from ._etcd_common import (
+    DEFAULT_PORT,
+    MAX_VALUE_BYTES,
+    QUERY_KEYS,
+    Deadline,
+    Endpoints,
+    EtcdSettings,
+    FailureBudget,
+    ttl_seconds,
+)
+
+__all__ = ["EtcdV3Backend", "plugin"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: gRPC channel options: no 4 MiB cap on answers (a list of large values),
+#: and quick reconnection after a server restart (gRPC's default backoff grows to 120 s).
+_CHANNEL_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+#: Shortest time given to one RPC attempt (seconds).
+_MIN_TRY = 0.05
+#: Details of ``UNAVAILABLE`` errors that mean the request reached no server.
+_NOT_SENT_DETAILS = ("failed to connect", "connection refused", "no leader", "dns resolution failed",
+                     "name resolution")
+
+
+class _Endpoint:
+    """One etcd endpoint: a gRPC channel and the stubs on it."""
+
+    def __init__(self, host: str, port: int, settings: EtcdSettings) -> None:
+        import grpc
+        from etcd3 import etcdrpc
+
+        self.target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if settings.protocol == "https":
+            key = _read(settings.key, "key") if settings.key else _read(settings.cert, "cert")  # or one PEM file
+            creds = grpc.ssl_channel_credentials(_read(settings.ca_cert, "cacert"), key, _read(settings.cert, "cert"))
+            self.channel = grpc.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
+        self.kv = etcdrpc.KVStub(self.channel)
+        self.lease = etcdrpc.LeaseStub(self.channel)
+        self.watch = etcdrpc.WatchStub(self.channel)
+        self.auth = etcdrpc.AuthStub(self.channel)
+        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
+
+
+def _read(path: str | None, field_name: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise InvalidURLError(field_name, path, f"cannot read: {exc.strerror}") from None
+
+
+class _ServerError(KVError):
+    """etcd answered an RPC with an error status (``code`` is the gRPC status name)."""
+
+    def __init__(self, message: str, code: str, details: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.details = details
+
+
+class EtcdV3Backend(KVBackend):
+    """KV backend on etcd's v3 API; see the module docstring for the mapping.
+
+    Args:
+        settings: endpoints, TLS, credentials and ``operation_timeout``.
+
+    Raises:
+        InvalidURLError: etcd rejected the user or password, or a certificate
+            file cannot be read.
+        BackendConnectionError, BackendTimeout: no endpoint answered within
+            ``operation_timeout`` seconds.
+    """
+
+    capabilities = Capabilities(
+        multi_host=True,
+        server_side_ttl=True,
+        native_watch=True,
+        persistent=True,
+        tls=True,
+        auth=True,
+        max_value_bytes=MAX_VALUE_BYTES,
+        ttl_resolution=2.5,
+    )
+
+    def __init__(self, settings: EtcdSettings) -> None:
+        import grpc
+        from etcd3 import etcdrpc, transactions
+
+        self._grpc = grpc
+        self._rpc = etcdrpc
+        self._cmp = transactions
+        self.settings = settings
+        self._endpoints = Endpoints(len(settings.endpoints))
+        self._eps = [_Endpoint(host, port, settings) for host, port in settings.endpoints]
+        self._token: str | None = None
+        self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it
+        self._token_lock = threading.Lock()
+        try:
+            if settings.username is not None:
+                self._authenticate(Deadline(settings.operation_timeout))
+            self._call(lambda ep, t, md: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md),
+                       Deadline(settings.operation_timeout), safe=True, what="status")
+        except BaseException:
+            self._do_close()
+            raise
+
+    def __repr__(self) -> str:
+        return f"EtcdV3Backend({self.settings.describe()!r})"
+
+    # -- transport ---------------------------------------------------------------
+    def _metadata(self) -> tuple[tuple[str, str], ...] | None:
+        token = self._token
+        return None if token is None else (("token", token),)
+
+    def _authenticate(self, deadline: Deadline) -> None:
+        """Get a fresh auth token for the URL's user (thread-safe)."""
+        request = self._rpc.AuthenticateRequest(name=self.settings.username, password=self.settings.password or "")
+        with self._token_lock:
+            try:
+                answer = self._call(lambda ep, t, md: ep.auth.Authenticate(request, timeout=t), deadline,
+                                    safe=True, what="authenticate", reauth=False)
+            except _ServerError as exc:
+                if "authentication is not enabled" in exc.details:
+                    log.warning("etcd at %s has authentication disabled; ignoring the URL's user %r",
+                                self.settings.describe(), self.settings.username)
+                    self._token = None
+                    return
+                raise InvalidURLError(
+                    "username", self.settings.username, f"etcd rejected the user or password: {exc.details}"
+                ) from None
+            self._token = answer.token
+
+    def _call(
+        self,
+        rpc: Callable[[_Endpoint, float, Any], T],
+        deadline: Deadline,
+        *,
+        safe: bool,
+        what: str,
+        reauth: bool = True,
+    ) -> T:
+        """Run ``rpc(endpoint, timeout, metadata)`` on the endpoints in turn until ``deadline``.
+
+        Args:
+            safe: the RPC may be repeated (a read, or idempotent): retry after any
+                transport failure, not only when the RPC reached no server.
+            what: what the RPC does, for error messages.
+            reauth: renew the auth token once if etcd reports it invalid.
+
+        Raises:
+            BackendConnectionError, BackendTimeout: see the module docstring.
+            _ServerError: etcd answered with another error status.
+        """
+        grpc = self._grpc
+        last: BackendUnavailable | None = None
+        tried = False  # every call makes at least one attempt, even with no time left
+        while True:
+            for index in self._endpoints.order():
+                self._check_open()
+                per_try = deadline.remaining()
+                if per_try <= 0 and tried:
+                    break
+                tried = True
+                ep = self._eps[index]
+                try:
+                    answer = rpc(ep, max(per_try, _MIN_TRY), self._metadata())
+                except grpc.RpcError as exc:
+                    if self._closed:
+                        raise BackendClosed(f"{type(self).__name__} was closed during {what}") from None
+                    code, details = exc.code(), exc.details() or ""
+                    error = self._classify(ep, code, details, what)
+                    if error is None:  # an answer from etcd, not a transport failure
+                        if reauth and code == grpc.StatusCode.UNAUTHENTICATED and self.settings.username:
+                            self._authenticate(deadline)
+                            reauth = False
+                            last = BackendConnectionError(f"etcd at {ep.target}: {details}")
+                            continue
+                        if "user name is empty" in details:
+                            raise InvalidURLError(
+                                "username", None, f"etcd at {ep.target} requires authentication: "
+                                "add USER:PASSWORD@ before the host in the URL"
+                            ) from None
+                        raise _ServerError(f"etcd at {ep.target} refused {what}: {details}", code.name,
+                                           details) from None
+                    self._endpoints.failed(index)
+                    deadline.failed()
+                    last = error
+                    if not (safe or _not_sent(code, details)):
+                        raise error from None
+                    continue
+                except ValueError:  # gRPC: "Cannot invoke RPC on closed channel!"
+                    if self._closed:
+                        raise BackendClosed(f"{type(self).__name__} was closed during {what}") from None
+                    raise
+                self._endpoints.worked(index)
+                return answer
+            if last is None:
+                last = BackendTimeout(f"no etcd endpoint of {self.settings.describe()} answered {what} in time")
+            if not deadline.backoff():
+                raise last
+
+    def _classify(self, ep: _Endpoint, code: Any, details: str, what: str) -> BackendUnavailable | None:
+        """The transport error for a failed RPC, or ``None`` if etcd itself answered."""
+        codes = self._grpc.StatusCode
+        if _deadline_exceeded(code, details):
+            return BackendTimeout(f"etcd at {ep.target} did not answer {what} in time")
+        if code == codes.UNAVAILABLE:
+            if _not_sent(code, details):
+                return BackendConnectionError(f"cannot reach etcd at {ep.target} for {what}: {details}")
+            return BackendConnectionError(
+                f"etcd at {ep.target} failed during {what} ({details}); it may or may not have taken effect"
+            )
+        if code == codes.RESOURCE_EXHAUSTED and "too many requests" in details:
+            return BackendTimeout(f"etcd at {ep.target} is overloaded: {details}")
+        return None
+
+    def _deadline(self) -> Deadline:
+        return Deadline(self.settings.operation_timeout)
+
+    # -- request builders ----------------------------------------------------------
+    def _range(self, key: bytes, range_end: bytes | None = None) -> Any:
+        request = self._rpc.RangeRequest(key=key)
+        if range_end is not None:
+            request.range_end = range_end
+            request.sort_order = self._rpc.RangeRequest.ASCEND
+            request.sort_target = self._rpc.RangeRequest.KEY
+        return request
+
+    def _txn_request(self, compare: Any, success: Any, key: bytes) -> Any:
+        """``if compare: success (a put or delete request) else: range(key)``."""
+        rpc = self._rpc
+        op = (rpc.RequestOp(request_put=success) if isinstance(success, rpc.PutRequest)
+              else rpc.RequestOp(request_delete_range=success))
+        return rpc.TxnRequest(compare=[compare.build_message()], success=[op],
+                              failure=[rpc.RequestOp(request_range=self._range(key))])
+
+    def _txn(self, request: Any, deadline: Deadline, what: str) -> Any:
+        return self._call(lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md), deadline,
+                          safe=False, what=what)
+
+    # -- leases --------------------------------------------------------------------
+    def _grant(self, ttl: float | None, deadline: Deadline) -> int:
+        """A new lease for ``ttl`` seconds (rounded up), or ``0`` for no TTL."""
+        if ttl is None:
+            return 0
+        request = self._rpc.LeaseGrantRequest(TTL=ttl_seconds(ttl))
+        answer = self._call(lambda ep, t, md: ep.lease.LeaseGrant(request, timeout=t, metadata=md), deadline,
+                            safe=True, what="lease grant")
+        if answer.error:
+            raise KVError(f"etcd refused a lease of {ttl_seconds(ttl)} s: {answer.error}")
+        if answer.TTL > request.TTL:  # etcd raised it to its minimum lease TTL
+            self._min_ttl = int(answer.TTL)
+        return int(answer.ID)
+
+    def _revoke(self, lease: int, deadline: Deadline) -> None:
+        """Revoke ``lease`` within ``deadline`` (at most 2 s; best effort: a lease without keys just runs out)."""
+        if not lease:
+            return
+        request = self._rpc.LeaseRevokeRequest(ID=lease)
+        try:
+            self._call(lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md),
+                       Deadline(min(2.0, deadline.remaining())), safe=True, what="lease revoke")
+        except (BackendUnavailable, _ServerError) as exc:
+            log.debug("lease %x not revoked (it will run out): %s", lease, exc)
+
+    def _keepalive(self, lease: int, deadline: Deadline) -> int:
+        """Send one keep-alive for ``lease``; return its granted TTL (seconds), 0 if it is gone."""
+        request = self._rpc.LeaseKeepAliveRequest(ID=lease)
+
+        def rpc(ep: _Endpoint, timeout: float, metadata: Any) -> int:
+            for answer in ep.lease.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata):
+                return int(answer.TTL)
+            return 0
+
+        return self._call(rpc, deadline, safe=True, what="lease keep-alive")
+
+    # -- reads -----------------------------------------------------------------------
+    def _get_kv(self, key: str, deadline: Deadline) -> Any | None:
+        request = self._range(_k(key))
+        answer = self._call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), deadline,
+                            safe=True, what=f"get {key!r}")
+        return answer.kvs[0] if answer.kvs else None
+
+    def _do_get(self, key: str) -> Entry | None:
+        kv = self._get_kv(key, self._deadline())
+        return None if kv is None else Entry(key, bytes(kv.value), int(kv.mod_revision))
+
+    def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
+        start, end = _prefix_range(prefix)
+        request = self._range(start, end)
+        answer = self._call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), self._deadline(),
+                            safe=True, what=f"list {prefix!r}")
+        entries = [Entry(key, bytes(kv.value), int(kv.mod_revision))
+                   for kv in answer.kvs if (key := _key(kv.key)) is not None]
+        return entries, int(answer.header.revision)
+
+    # -- writes ----------------------------------------------------------------------
+    def _put_request(self, key: str, value: bytes, lease: int) -> Any:
+        return self._rpc.PutRequest(key=_k(key), value=value, lease=lease, prev_kv=True)
+
+    def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
+        deadline = self._deadline()
+        lease = self._grant(ttl, deadline)
+        request = self._txn_request(self._cmp.Version(_k(key)) == 0, self._put_request(key, value, lease), _k(key))
+        try:
+            answer = self._txn(request, deadline, f"create {key!r}")
+        except BaseException:
+            self._revoke(lease, deadline)
+            raise
+        if not answer.succeeded:
+            self._revoke(lease, deadline)
+            raise KeyExists(f"key {key!r} exists", key)
+        return Entry(key, value, int(answer.header.revision))
+
+    def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry:
+        deadline = self._deadline()
+        lease = self._grant(ttl, deadline)
+        request = self._put_request(key, value, lease)
+        try:
+            answer = self._call(lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline,
+                                safe=True, what=f"put {key!r}")
+        except BaseException:
+            self._revoke(lease, deadline)
+            raise
+        self._revoke_replaced(answer.prev_kv, lease, deadline)
+        return Entry(key, value, int(answer.header.revision))
+
+    def _revoke_replaced(self, prev_kv: Any, new_lease: int, deadline: Deadline) -> None:
+        """After a write replaced ``prev_kv``, revoke the lease it had (one lease per key)."""
+        if prev_kv is not None and prev_kv.lease and prev_kv.lease != new_lease:
+            self._revoke(int(prev_kv.lease), deadline)
+
+    def _compare_failed(self, answer: Any, key: str, expected: int) -> KVError:
+        kvs = answer.responses[0].response_range.kvs
+        if not kvs:
+            return KeyNotFound(f"key {key!r} not found", key)
+        actual = int(kvs[0].mod_revision)
+        return CompareFailed(f"key {key!r} is at revision {actual}, not {expected}", key, expected, actual)
+
+    def _do_compare_and_swap(self, key: str, value: bytes, expected_revision: int, ttl: float | None) -> Entry:
+        deadline = self._deadline()
+        lease = self._grant(ttl, deadline)
+        request = self._txn_request(
+            self._cmp.Mod(_k(key)) == expected_revision, self._put_request(key, value, lease), _k(key)
+        )
+        try:
+            answer = self._txn(request, deadline, f"compare_and_swap {key!r}")
+        except BaseException:
+            self._revoke(lease, deadline)
+            raise
+        if not answer.succeeded:
+            self._revoke(lease, deadline)
+            raise self._compare_failed(answer, key, expected_revision)
+        self._revoke_replaced(answer.responses[0].response_put.prev_kv, lease, deadline)
+        return Entry(key, value, int(answer.header.revision))
+
+    def _do_compare_and_delete(self, key: str, expected_revision: int) -> None:
+        request = self._txn_request(
+            self._cmp.Mod(_k(key)) == expected_revision,
+            self._rpc.DeleteRangeRequest(key=_k(key), prev_kv=True),
+            _k(key),
+        )
+        deadline = self._deadline()
+        answer = self._txn(request, deadline, f"compare_and_delete {key!r}")
+        if not answer.succeeded:
+            raise self._compare_failed(answer, key, expected_revision)
+        for prev in answer.responses[0].response_delete_range.prev_kvs:
+            self._revoke_replaced(prev, 0, deadline)
+
+    def _do_delete(self, key: str) -> bool:
+        request = self._rpc.DeleteRangeRequest(key=_k(key), prev_kv=True)
+        deadline = self._deadline()
+        answer = self._call(lambda ep, t, md: ep.kv.DeleteRange(request, timeout=t, metadata=md),
+                            deadline, safe=True, what=f"delete {key!r}")
+        for prev in answer.prev_kvs:
+            self._revoke_replaced(prev, 0, deadline)
+        return int(answer.deleted) > 0
+
+    def _do_refresh(self, key: str, ttl: float) -> None:
+        deadline = self._deadline()
+        wanted = ttl_seconds(ttl)
+        while True:
+            kv = self._get_kv(key, deadline)
+            if kv is None:
+                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            granted = self._keepalive(int(kv.lease), deadline) if kv.lease else 0
+            if granted > 0 and granted == self._effective_ttl(wanted):
+                return
+            if granted <= 0 and kv.lease:
+                # The lease ran out or was replaced between the read and the keep-alive: read again.
+                current = self._get_kv(key, deadline)
+                if current is None:
+                    raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+                if current.lease != kv.lease or current.mod_revision != kv.mod_revision:
+                    if not deadline.backoff():
+                        raise BackendTimeout(f"refresh({key!r}) lost every race", key)
+                    continue
+            # No lease, or a different TTL: re-put the same value on a lease of the asked TTL.
+            if self._reput(key, kv, ttl, deadline):
+                return
+            if not deadline.backoff():
+                raise BackendTimeout(f"refresh({key!r}) lost every race", key)
+
+    def _effective_ttl(self, wanted: int) -> int:
+        """The TTL a new lease of ``wanted`` seconds gets (etcd raises it to its minimum, once seen)."""
+        return max(wanted, self._min_ttl)
+
+    def _reput(self, key: str, kv: Any, ttl: float, deadline: Deadline) -> bool:
+        """Put ``kv``'s value again on a new lease, if it is unchanged; ``False`` if it changed."""
+        lease = self._grant(ttl, deadline)
+        request = self._txn_request(
+            self._cmp.Mod(_k(key)) == int(kv.mod_revision), self._put_request(key, bytes(kv.value), lease), _k(key)
+        )
+        try:
+            answer = self._txn(request, deadline, f"refresh {key!r}")
+        except BaseException:
+            self._revoke(lease, deadline)
+            raise
+        if not answer.succeeded:
+            self._revoke(lease, deadline)
+            if not answer.responses[0].response_range.kvs:
+                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            return False
+        self._revoke_replaced(answer.responses[0].response_put.prev_kv, lease, deadline)
+        return True
+
+    def _do_add(self, key: str, delta: int) -> int:
+        deadline = self._deadline()
+        while True:
+            kv = self._get_kv(key, deadline)
+            if kv is None:
+                total = delta
+                compare = self._cmp.Version(_k(key)) == 0
+                put = self._put_request(key, str(total).encode("ascii"), 0)
+            else:
+                total = parse_counter(key, bytes(kv.value)) + delta
+                compare = self._cmp.Mod(_k(key)) == int(kv.mod_revision)
+                put = self._put_request(key, str(total).encode("ascii"), int(kv.lease))  # keeps its TTL
+            try:
+                answer = self._txn(self._txn_request(compare, put, _k(key)), deadline, f"add {key!r}")
+            except _ServerError as exc:
+                if "lease not found" not in exc.details:  # the key's lease ran out between read and write
+                    raise
+            else:
+                if answer.succeeded:
+                    return total
+            if not deadline.backoff():  # lost a race: another writer changed the key
+                raise BackendTimeout(f"add({key!r}) lost every race for {self.settings.operation_timeout} s", key)
+
+    # -- watch -----------------------------------------------------------------------
+    def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
+        start, end = _prefix_range(prefix)
+        create = self._rpc.WatchCreateRequest(key=start, range_end=end, start_revision=after_revision + 1)
+        poll = Deadline(timeout)
+        return self._call(
+            lambda ep, t, md: self._watch_once(ep, create, poll, after_revision, md),
+            FailureBudget(self.settings.operation_timeout, poll), safe=True, what=f"watch {prefix!r}",
+        )
+
+    def _watch_once(self, ep: _Endpoint, create: Any, poll: Deadline, after_revision: int, md: Any) -> list[Event]:
+        """One watch stream on ``ep`` until an event, the compaction answer, or ``poll`` passes."""
+        grpc = self._grpc
+        done = threading.Event()
+
+        def requests() -> Iterator[Any]:
+            yield self._rpc.WatchRequest(create_request=create)
+            done.wait()
+
+        call = ep.watch.Watch(requests(), timeout=max(poll.remaining(), 0.05), metadata=md)
+        try:
+            for answer in call:
+                if answer.compact_revision:
+                    raise HistoryCompacted(
+                        f"etcd compacted its history up to revision {answer.compact_revision}; events after "
+                        f"{after_revision} are gone: re-read and watch from the revision read",
+                        create.key.decode("utf-8", "replace"),
+                    )
+                if answer.canceled:
+                    raise KVError(f"etcd at {ep.target} cancelled the watch: {answer.cancel_reason}")
+                events = [e for ev in answer.events
+                          if ev.kv.mod_revision > after_revision and (e := _event(ev)) is not None]
+                if events:
+                    return events
+            return []
+        except grpc.RpcError as exc:
+            # The stream's deadline: gRPC reports DEADLINE_EXCEEDED, or etcd first ends it with
+            # UNKNOWN "context deadline exceeded".
+            if _deadline_exceeded(exc.code(), exc.details() or "") and poll.remaining() < _MIN_TRY:
+                return []
+            raise
+        finally:
+            done.set()
+            call.cancel()
+
+    def _do_close(self) -> None:
+        for ep in getattr(self, "_eps", ()):
+            ep.channel.close()
+
+
+def _k(key: str) -> bytes:
+    return ("/" + key).encode("utf-8")
+
+
+def _key(raw: bytes) -> str | None:
+    """Our key for a v3 key (``b"/a/b"`` -> ``"a/b"``); ``None`` for keys another program wrote
+    that no key of ours can be (not UTF-8, or outside the key grammar)."""
+    try:
+        return check_key(bytes(raw).decode("utf-8")[1:])
+    except (UnicodeDecodeError, InvalidKeyError):
+        return None
+
+
+def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
+    """``[start, end)`` of the v3 keys below ``prefix`` (``"/"`` + prefix, last byte + 1)."""
+    start = _k(prefix) if prefix else b"/"
+    return start, start[:-1] + bytes([start[-1] + 1])
+
+
+def _event(ev: Any) -> Event | None:
+    key = _key(ev.kv.key)
+    if key is None:
+        return None
+    if ev.type == 1:  # mvccpb.Event.DELETE
+        return Event(EventType.DELETE, key, int(ev.kv.mod_revision))
+    return Event(EventType.PUT, key, int(ev.kv.mod_revision), bytes(ev.kv.value))
+
+
+def _deadline_exceeded(code: Any, details: str) -> bool:
+    name = getattr(code, "name", "")
+    return name == "DEADLINE_EXCEEDED" or (name == "UNKNOWN" and "deadline exceeded" in details.lower())
+
+
+def _not_sent(code: Any, details: str) -> bool:
+    low = details.lower()
+    return getattr(code, "name", "") == "UNAVAILABLE" and any(s in low for s in _NOT_SENT_DETAILS)
+
+
+def _open(url: RendezvousURL) -> EtcdV3Backend:
+    if url.path:
+        raise InvalidURLError(
+            "path", url.path, "etcd URLs take no path before the run id; choose where keys live with ?prefix="
+        )
+    return EtcdV3Backend(EtcdSettings.from_url(url))
+
+
+class plugin:  # noqa: N801 - entry-point object, named like a module attribute
+    """Registers ``etcd-v3://`` and ``etcd3://`` through the ``rdzv`` entry point."""
+
+    @staticmethod
+    @hookimpl
+    def rdzv_register_backends() -> list[BackendSpec]:
+        return [
+            BackendSpec(
+                schemes=("etcd-v3", "etcd3"),
+                open=_open,
+                capabilities=EtcdV3Backend.capabilities,
+                default_port=DEFAULT_PORT,
+                query_keys=QUERY_KEYS,
+                requires_host=True,
+                description="etcd v3 gRPC API, one lease per key, python3-etcd3",
+            )
+        ]

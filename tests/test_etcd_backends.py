@@ -1,0 +1,540 @@
+"""Backend-specific tests of ``etcd-v2://`` and ``etcd-v3://`` against real ``etcd`` servers.
+
+The shared contract is checked by the conformance suite
+(``pytest --pyargs conformance_tests --rdzv-url 'etcd-v2://{server:etcd}/' ...``);
+here are the etcd-only behaviours: v2 disabled on the server, v2's 1,000-event
+history and v3 compaction, a killed / paused / restarted server, multi-endpoint
+failover, one lease per key, auth, TLS, and the URL settings.
+
+Every test that stops or pauses a server starts its own; servers are stopped
+when their fixture ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from typing import Callable, Iterator
+
+import pytest
+
+from conformance_tests.etcd_server import EtcdServer
+from conformance_tests.servers import free_port
+from rdzv_backends._etcd_common import Deadline, FailureBudget, ttl_seconds
+from rdzv_core import (
+    BackendConnectionError,
+    BackendTimeout,
+    BackendUnavailable,
+    EventType,
+    HistoryCompacted,
+    InvalidURLError,
+    KeyNotFound,
+    KVBackend,
+    KVError,
+    list_backends,
+    open_backend,
+)
+from rdzv_core.kv import wait_for_change
+
+pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary on PATH")
+
+SCHEMES = ["etcd-v2", "etcd-v3"]
+#: operation_timeout used where a test waits for a failure (seconds).
+OP_TIMEOUT = 2.0
+#: Slack (seconds) for a loaded 2-core machine.
+SLACK = 3.0
+
+
+def start(server: EtcdServer) -> EtcdServer:
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[EtcdServer]:
+    """A module-wide etcd with v2 enabled (never killed)."""
+    server = start(EtcdServer())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_etcd() -> Iterator[EtcdServer]:
+    """An etcd for one test (which may kill, pause or restart it)."""
+    server = start(EtcdServer())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def opener() -> Iterator[Callable[[str], KVBackend]]:
+    """``opener(url)``: open a backend that is closed after the test."""
+    opened: list[KVBackend] = []
+
+    def open_(url: str) -> KVBackend:
+        kv = open_backend(url)
+        opened.append(kv)
+        return kv
+
+    yield open_
+    for kv in opened:
+        kv.close()
+
+
+def timed(call: Callable[[], object]) -> tuple[BaseException | None, float]:
+    """Run ``call``; return (the exception it raised or ``None``, seconds taken)."""
+    started = time.monotonic()
+    try:
+        call()
+    except BaseException as exc:  # judged by the caller
+        return exc, time.monotonic() - started
+    return None, time.monotonic() - started
+
+
+# -- v2 disabled -------------------------------------------------------------------
+def test_v2_disabled_fails_at_open_and_points_to_v3() -> None:
+    server = start(EtcdServer(enable_v2=False))
+    try:
+        error, elapsed = timed(lambda: open_backend(f"etcd-v2://{server.address}/"))
+        assert isinstance(error, InvalidURLError), error
+        assert "v2" in str(error) and "etcd-v3://" in str(error)
+        assert elapsed < 5.0, "the v2-disabled error must come at once, not after retries"
+        error, _ = timed(lambda: open_backend(f"etcd://{server.address}/"))
+        assert isinstance(error, InvalidURLError)
+        with open_backend(f"etcd-v3://{server.address}/") as kv:  # the same server serves v3
+            assert kv.put("k", b"v").value == b"v"
+    finally:
+        server.stop()
+
+
+# -- history ---------------------------------------------------------------------------
+def test_v2_index_cleared_is_history_compacted(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v2://{etcd.address}/")
+    _, start_index = kv.list("cleared/")
+    for i in range(1100):  # etcd keeps the last 1,000 v2 events
+        kv.put("cleared/k", str(i).encode())
+    with pytest.raises(HistoryCompacted):
+        kv.watch("cleared/", start_index, 5.0)
+    assert wait_for_change(kv, "cleared/", start_index, time.monotonic() + 5.0) is True
+    entries, index = kv.list("cleared/")  # the documented recovery: re-read, watch from there
+    assert [e.value for e in entries] == [b"1099"]
+    entry = kv.put("cleared/k", b"after")
+    assert [(e.key, e.value, e.revision) for e in kv.watch("cleared/", index, 5.0)] == [
+        ("cleared/k", b"after", entry.revision)
+    ]
+
+
+def test_v3_compaction_is_history_compacted(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    first = kv.put("compact/k", b"1")
+    kv.put("compact/k", b"2")
+    last = kv.put("compact/k", b"3")
+    compact = subprocess.run(
+        ["etcdctl", f"--endpoints={etcd.client_url}", "compaction", str(last.revision)],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert compact.returncode == 0, compact.stderr
+    with pytest.raises(HistoryCompacted):
+        kv.watch("compact/", first.revision, 5.0)
+    assert kv.watch("compact/", last.revision - 1, 5.0)[0].revision == last.revision
+
+
+# -- failures ----------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_killed_server_errors_within_operation_timeout_then_restart_works(
+    scheme: str, own_etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    kv = opener(f"{scheme}://{own_etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    kept = kv.put("k/kept", b"v")
+    own_etcd.kill()
+    for name, call in [
+        ("get", lambda: kv.get("k/kept")),
+        ("list", lambda: kv.list("k/")),
+        ("put", lambda: kv.put("k/x", b"x")),
+        ("create", lambda: kv.create("k/y", b"y", ttl=5)),
+        ("compare_and_swap", lambda: kv.compare_and_swap("k/kept", b"z", kept.revision)),
+        ("add", lambda: kv.add("k/n", 1)),
+        ("refresh", lambda: kv.refresh("k/kept", 5)),
+        ("watch", lambda: kv.watch("k/", kept.revision, 60.0)),
+    ]:
+        error, elapsed = timed(call)
+        assert isinstance(error, BackendConnectionError), f"{name}: {error!r}"
+        assert elapsed <= OP_TIMEOUT + SLACK, f"{name} took {elapsed:.1f}s with operation_timeout={OP_TIMEOUT}"
+    own_etcd.start()  # same ports, same data directory
+    assert kv.get("k/kept") == kept, "the restarted server must serve the same data to the same client"
+    assert kv.put("k/x", b"x").revision > kept.revision
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_paused_server_times_out_within_operation_timeout(
+    scheme: str, own_etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    kv = opener(f"{scheme}://{own_etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    entry = kv.put("p/k", b"v")
+    own_etcd.pause()
+    try:
+        for call in (lambda: kv.get("p/k"), lambda: kv.put("p/k", b"w")):
+            error, elapsed = timed(call)
+            assert isinstance(error, BackendTimeout), repr(error)
+            assert OP_TIMEOUT * 0.8 <= elapsed <= OP_TIMEOUT + SLACK, f"took {elapsed:.1f}s"
+        error, elapsed = timed(lambda: kv.watch("p/", 10**9, 1.0))  # silent server: a quiet watch
+        assert error is None and elapsed <= 1.0 + SLACK
+    finally:
+        own_etcd.resume()
+    assert kv.get("p/k").value in (b"v", b"w") and kv.get("p/k").revision >= entry.revision
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_server_lost_during_a_watch(scheme: str, own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"{scheme}://{own_etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    _, revision = kv.list("w/")
+    outcome: list[object] = []
+    started = threading.Event()
+
+    def watch() -> None:
+        started.set()
+        try:
+            outcome.append(kv.watch("w/", revision, 120.0))
+        except BackendUnavailable as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    started.wait(10)
+    time.sleep(0.5)  # let the long poll reach the server (the test is right either way)
+    own_etcd.kill()
+    thread.join(OP_TIMEOUT + SLACK + 1.0)
+    assert not thread.is_alive(), "a watch outlived its server by more than operation_timeout"
+    assert len(outcome) == 1 and isinstance(outcome[0], BackendConnectionError), outcome
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_multi_endpoint_url_fails_over_a_dead_endpoint(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    for hosts in (f"{dead},{etcd.address}", f"{etcd.address},{dead}"):
+        kv = opener(f"{scheme}://{hosts}/?operation_timeout={OP_TIMEOUT}")
+        entry = kv.put("multi/k", hosts.encode())
+        assert kv.get("multi/k") == entry
+        assert kv.create(f"multi/{hosts.replace(':', '_').replace(',', '-')}", b"x").value == b"x"
+        assert kv.watch("multi/", entry.revision - 1, 5.0)[0].revision == entry.revision
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_all_endpoints_dead_at_open(scheme: str) -> None:
+    url = f"{scheme}://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/?operation_timeout=1"
+    error, elapsed = timed(lambda: open_backend(url))
+    assert isinstance(error, BackendConnectionError), repr(error)
+    assert elapsed <= 1.0 + SLACK
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_endpoint_killed_after_use_fails_over(scheme: str, opener: Callable[[str], KVBackend]) -> None:
+    """Failover from a server that dies after the client used it (two independent servers)."""
+    first, second = start(EtcdServer()), start(EtcdServer())
+    try:
+        kv = opener(f"{scheme}://{first.address},{second.address}/?operation_timeout={OP_TIMEOUT}")
+        kv.put("f/k", b"1")  # lands on the first server
+        first.kill()
+        error, elapsed = timed(lambda: kv.put("f/k", b"2"))
+        assert error is None, repr(error)  # connection refused: moved to the second server
+        assert elapsed <= OP_TIMEOUT + SLACK
+        assert kv.get("f/k").value == b"2"
+    finally:
+        first.stop()
+        second.stop()
+
+
+# -- TTLs and leases ---------------------------------------------------------------------
+def test_ttl_seconds_rounds_up_to_whole_seconds() -> None:
+    assert [ttl_seconds(t) for t in (0.001, 0.5, 1.0, 1.01, 2.0, 29.5)] == [1, 1, 1, 2, 2, 30]
+
+
+def test_v3_one_lease_per_key(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """Refreshing one key must not keep another alive, and a key's lease never holds another key."""
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    kv.put("lease/kept", b"1", ttl=3)
+    revision = kv.put("lease/dropped", b"2", ttl=3).revision
+    leases = {_lease_of(etcd, "lease/kept"), _lease_of(etcd, "lease/dropped")}
+    assert len(leases) == 2 and 0 not in leases
+    deadline = time.monotonic() + 3 + list_backends()["etcd-v3"].spec.capabilities.ttl_resolution + SLACK
+    dropped_at = None
+    while dropped_at is None and time.monotonic() < deadline:
+        kv.refresh("lease/kept", 3)
+        for event in kv.watch("lease/", revision, 0.5):
+            revision = event.revision
+            if event.key == "lease/dropped" and event.type is EventType.DELETE:
+                dropped_at = time.monotonic()
+            assert event.key != "lease/kept", f"refresh changed the refreshed key: {event}"
+    assert dropped_at is not None, "the unrefreshed key never expired"
+    assert kv.get("lease/kept") is not None
+
+
+def test_v3_put_replaces_and_revokes_the_old_lease(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    kv.put("revoke/k", b"1", ttl=30)
+    old = _lease_of(etcd, "revoke/k")
+    kv.put("revoke/k", b"2")  # no TTL: no lease, and the old one is revoked
+    assert _lease_of(etcd, "revoke/k") == 0
+    assert old not in _leases(etcd)
+
+
+def test_v3_refresh_with_another_ttl_regrants(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    entry = kv.put("regrant/k", b"v", ttl=1)
+    kv.refresh("regrant/k", 60)
+    after = kv.get("regrant/k")
+    assert after is not None and after.value == b"v" and after.revision >= entry.revision
+    assert 50 <= _lease_ttl(etcd, _lease_of(etcd, "regrant/k")) <= 60
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_refresh_after_expiry_is_key_not_found(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    kv = opener(f"{scheme}://{etcd.address}/")
+    _, revision = kv.list(f"gone-{scheme}/")
+    kv.put(f"gone-{scheme}/k", b"v", ttl=1)
+    deadline = time.monotonic() + 1 + 2.5 + SLACK
+    while time.monotonic() < deadline and not any(
+        e.type is EventType.DELETE for e in kv.watch(f"gone-{scheme}/", revision, 1.0)
+    ):
+        pass
+    with pytest.raises(KeyNotFound):
+        kv.refresh(f"gone-{scheme}/k", 5)
+
+
+def _etcdctl(server: EtcdServer, *args: str) -> str:
+    done = subprocess.run(
+        ["etcdctl", f"--endpoints={server.client_url}", *args], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _lease_of(server: EtcdServer, key: str) -> int:
+    import json
+
+    out = json.loads(_etcdctl(server, "get", "/" + key, "-w", "json"))
+    kvs = out.get("kvs") or []
+    return int(kvs[0].get("lease", 0)) if kvs else 0
+
+
+def _leases(server: EtcdServer) -> set[int]:
+    import json
+
+    out = json.loads(_etcdctl(server, "lease", "list", "-w", "json"))
+    return {int(item["id"]) for item in out.get("leases") or []}
+
+
+def _lease_ttl(server: EtcdServer, lease: int) -> int:
+    import json
+
+    return int(json.loads(_etcdctl(server, "lease", "timetolive", f"{lease:x}", "-w", "json"))["ttl"])
+
+
+# -- values --------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_one_mebibyte_fits_etcd_default_request_limit(scheme: str, opener: Callable[[str], KVBackend]) -> None:
+    server = start(EtcdServer(extra_args=("--max-request-bytes", "1572864")))  # etcd's default, 1.5 MiB
+    try:
+        kv = opener(f"{scheme}://{server.address}/")
+        blob = os.urandom(1 << 20)
+        assert kv.put("big/k", blob).value == blob
+        assert kv.get("big/k").value == blob
+    finally:
+        server.stop()
+
+
+def test_v3_list_larger_than_grpc_default_message(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    blob = b"\x5a" * (1 << 20)
+    for i in range(6):  # 6 MiB in one answer: above gRPC's 4 MiB default
+        kv.put(f"many/k{i}", blob)
+    entries, _ = kv.list("many/")
+    assert [len(e.value) for e in entries] == [1 << 20] * 6
+
+
+def test_v2_foreign_nodes_are_ignored(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """Nodes not written by the backend (no leaf marker, not base64) never show up as entries."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{etcd.client_url}/v2/keys/foreign/plain", data=b"value=not%20base64",
+                                     method="PUT")
+    request.add_header("Content-Type", "application/x-www-form-urlencoded")
+    urllib.request.urlopen(request, timeout=10).close()
+    kv = opener(f"etcd-v2://{etcd.address}/")
+    kv.put("foreign/mine", b"m")
+    assert [e.key for e in kv.list("foreign/")[0]] == ["foreign/mine"]
+    assert kv.get("foreign/plain") is None
+
+
+def test_v3_foreign_keys_are_ignored(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """v3 keys outside the key grammar (written by other programs) never show up as entries or events."""
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    start = kv.put("foreign3/mine", b"m")
+    _etcdctl(etcd, "put", "/foreign3/not a key", "x")
+    after = kv.put("foreign3/last", b"l")
+    assert [e.key for e in kv.list("foreign3/")[0]] == ["foreign3/last", "foreign3/mine"]
+    assert [e.key for e in kv.watch("foreign3/", start.revision, 5.0)] == ["foreign3/last"]
+    assert after.revision > start.revision
+
+
+# -- URL settings ------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ["etcd", "etcd-v2", "etcd-v3", "etcd3"])
+@pytest.mark.parametrize(
+    ("query", "field"),
+    [
+        ("cacert=/etc/hostname", "cacert"),  # TLS file without protocol=https
+        ("protocol=https&key=/etc/hostname", "key"),  # key without cert
+        ("protocol=https&cacert=/no/such/file.pem", "cacert"),
+        ("protocol=gopher", "protocol"),
+        ("operation_timeout=0", "operation_timeout"),
+    ],
+)
+def test_bad_query_values(scheme: str, query: str, field: str) -> None:
+    with pytest.raises(InvalidURLError) as info:
+        open_backend(f"{scheme}://127.0.0.1:1/run?{query}")
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_path_before_run_id_is_rejected(scheme: str) -> None:
+    with pytest.raises(InvalidURLError) as info:
+        open_backend(f"{scheme}://127.0.0.1:1/some/root/run")
+    assert info.value.field == "path"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_password_never_shown(scheme: str, etcd: EtcdServer, caplog: pytest.LogCaptureFixture) -> None:
+    secret = "pw-Zq81xK"
+    caplog.set_level(logging.DEBUG)
+    with open_backend(f"{scheme}://root:{secret}@{etcd.address}/") as kv:  # auth is off: creds unused
+        assert secret not in repr(kv) and secret not in str(kv.settings)
+    error, _ = timed(lambda: open_backend(f"{scheme}://root:{secret}@127.0.0.1:{free_port()}/?operation_timeout=1"))
+    assert isinstance(error, BackendConnectionError)
+    assert secret not in str(error) and secret not in repr(error)
+    assert secret not in caplog.text
+
+
+# -- auth ---------------------------------------------------------------------------
+def test_v3_auth(own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    for args in (
+        ("user", "add", "root", "--new-user-password=rootpw", "--interactive=false"),
+        ("user", "add", "alice", "--new-user-password=alicepw", "--interactive=false"),
+        ("role", "add", "rdzv"),
+        ("role", "grant-permission", "rdzv", "--prefix=true", "readwrite", "/app/"),
+        ("user", "grant-role", "alice", "rdzv"),
+        ("auth", "enable"),
+    ):
+        _etcdctl(own_etcd, *args)
+    kv = opener(f"etcd-v3://alice:alicepw@{own_etcd.address}/")
+    entry = kv.put("app/k", b"v")
+    assert kv.list("app/")[0] == [entry]
+    assert kv.watch("app/", entry.revision - 1, 5.0)[0].revision == entry.revision
+    with pytest.raises(KVError):
+        kv.put("elsewhere/k", b"v")  # outside the role's prefix
+    with pytest.raises(InvalidURLError) as info:
+        open_backend(f"etcd-v3://alice:wrong@{own_etcd.address}/")
+    assert "wrong" not in str(info.value)
+    with pytest.raises(InvalidURLError):
+        open_backend(f"etcd-v3://{own_etcd.address}/").get("app/k")
+
+
+def test_v2_auth(own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    import base64
+    import json
+    import urllib.request
+
+    def v2(method: str, path: str, body: dict[str, object] | None = None) -> None:
+        request = urllib.request.Request(own_etcd.client_url + path, method=method,
+                                         data=json.dumps(body).encode() if body else None)
+        request.add_header("Authorization", "Basic " + base64.b64encode(b"root:rootpw").decode())
+        urllib.request.urlopen(request, timeout=10).close()
+
+    v2("PUT", "/v2/auth/users/root", {"user": "root", "password": "rootpw"})
+    v2("PUT", "/v2/auth/enable")
+    v2("PUT", "/v2/auth/roles/guest", {"role": "guest", "revoke": {"kv": {"read": ["/*"], "write": ["/*"]}}})
+    kv = opener(f"etcd-v2://root:rootpw@{own_etcd.address}/")
+    assert kv.put("a/k", b"v").value == b"v"
+    with pytest.raises(InvalidURLError):
+        open_backend(f"etcd-v2://{own_etcd.address}/")
+    with pytest.raises(InvalidURLError) as info:
+        open_backend(f"etcd-v2://root:wrongpw@{own_etcd.address}/")
+    assert "wrongpw" not in str(info.value)
+
+
+# -- TLS ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    trustme = pytest.importorskip("trustme")
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("127.0.0.1", "localhost")
+    client_cert = ca.issue_cert("rdzv-client")
+    d = tmp_path_factory.mktemp("etcd-tls")
+    files = {
+        "ca": str(d / "ca.pem"),
+        "server_cert": str(d / "server.pem"),
+        "server_key": str(d / "server.key"),
+        "client_cert": str(d / "client.pem"),
+        "client_key": str(d / "client.key"),
+    }
+    ca.cert_pem.write_to_path(files["ca"])
+    server_cert.cert_chain_pems[0].write_to_path(files["server_cert"])
+    server_cert.private_key_pem.write_to_path(files["server_key"])
+    client_cert.cert_chain_pems[0].write_to_path(files["client_cert"])
+    client_cert.private_key_pem.write_to_path(files["client_key"])
+    files["client_combined"] = str(d / "client-combined.pem")  # certificate and key in one PEM file
+    client_cert.private_key_and_cert_chain_pem.write_to_path(files["client_combined"])
+    return files
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_tls_with_client_certificates(
+    scheme: str, tls_files: dict[str, str], opener: Callable[[str], KVBackend]
+) -> None:
+    f = tls_files
+    server = start(
+        EtcdServer(
+            protocol="https",
+            ca_file=f["ca"],
+            client_cert=(f["client_cert"], f["client_key"]),
+            extra_args=("--cert-file", f["server_cert"], "--key-file", f["server_key"],
+                        "--trusted-ca-file", f["ca"], "--client-cert-auth"),
+        )
+    )
+    try:
+        query = f"protocol=https&cacert={f['ca']}&cert={f['client_cert']}&key={f['client_key']}"
+        kv = opener(f"{scheme}://{server.address}/?{query}")
+        entry = kv.put("tls/k", b"secret")
+        assert kv.get("tls/k") == entry
+        assert kv.watch("tls/", entry.revision - 1, 5.0)[0].value == b"secret"
+        combined = opener(f"{scheme}://{server.address}/?protocol=https&cacert={f['ca']}&cert={f['client_combined']}")
+        assert combined.get("tls/k") == entry
+        # Without the client certificate the server refuses the connection: a clear error, quickly.
+        error, elapsed = timed(
+            lambda: open_backend(f"{scheme}://{server.address}/?protocol=https&cacert={f['ca']}&operation_timeout=2")
+        )
+        assert isinstance(error, (BackendUnavailable, KVError)), repr(error)
+        assert elapsed <= 2.0 + SLACK
+    finally:
+        server.stop()
+
+
+# -- helpers ---------------------------------------------------------------------------
+def test_failure_budget_starts_at_first_failure() -> None:
+    cap = Deadline(100.0)
+    budget = FailureBudget(2.0, cap)
+    assert budget.remaining() > 90.0, "before any failure the budget is the watch's deadline"
+    budget.failed()
+    assert 1.0 < budget.remaining() <= 2.0
+    budget.failed()  # later failures do not extend it
+    assert budget.remaining() <= 2.0
+    short = FailureBudget(10.0, Deadline(0.5))
+    short.failed()
+    assert short.remaining() <= 0.5
