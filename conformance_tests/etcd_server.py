@@ -116,20 +116,6 @@ class EtcdServer(ServerProcess):
             *self.extra_args,
         ]
 
-    def pause(self) -> None:
-        """SIGSTOP the server and wait until every one of its threads has stopped.
-
-        ``kill -STOP`` is asynchronous: until the kernel has scheduled the thread
-        chosen to start the group stop, etcd's other threads may still answer a
-        request or two (seen on a loaded 2-core machine). Waits at most 10 s.
-        """
-        super().pause()
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline and not _all_threads_stopped(self.proc.pid):
-            time.sleep(0.005)
-
     def ready(self) -> bool:
         """``True`` once ``GET /health`` answers ``{"health": "true"}`` (a quorum read through raft)."""
         context = None
@@ -150,20 +136,3 @@ class EtcdServer(ServerProcess):
         time.sleep(0.05)
         return False
 
-
-def _all_threads_stopped(pid: int) -> bool:
-    """True if every thread of ``pid`` is in state ``T`` (stopped), per ``/proc``."""
-    task_dir = f"/proc/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return True  # gone, or no /proc: nothing to wait for
-    for tid in tids:
-        try:
-            with open(f"{task_dir}/{tid}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"T", b"t"):
-            return False
-    return True

@@ -102,9 +102,17 @@ class ServerProcess:
             self.proc.wait(timeout=10)
 
     def pause(self) -> None:
-        """SIGSTOP the server: it keeps its sockets but answers nothing."""
+        """SIGSTOP the server and wait (at most 10 s) until every one of its threads has stopped.
+
+        ``kill -STOP`` is asynchronous: until the kernel has stopped each thread, a
+        multi-threaded server may still answer a request or two (seen with etcd on a
+        loaded 2-core machine). Afterwards it keeps its sockets but answers nothing.
+        """
         if self.proc is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGSTOP)
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and not _all_threads_stopped(self.proc.pid):
+                time.sleep(0.005)
 
     def resume(self) -> None:
         """SIGCONT a paused server."""
@@ -122,6 +130,24 @@ class ServerProcess:
                 return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
         except OSError:
             return "(no log)"
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """True if every thread of ``pid`` is in state ``T``/``t`` (stopped), per ``/proc``."""
+    task_dir = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return True  # gone, or no /proc: nothing to wait for
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in (b"T", b"t"):
+            return False
+    return True
 
 
 def _session_server(cls: type[ServerProcess]) -> Iterator[ServerProcess]:
