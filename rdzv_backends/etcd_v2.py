@@ -83,7 +83,7 @@ from rdzv_core.errors import (
     KVError,
 )
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
-from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
 from ._etcd_common import (
@@ -572,20 +572,15 @@ def _open(url: RendezvousURL) -> EtcdV2Backend:
     return EtcdV2Backend(EtcdSettings.from_url(url))
 
 
-class plugin:  # noqa: N801 - entry-point object, named like a module attribute
-    """Registers ``etcd://`` and ``etcd-v2://`` through the ``rdzv`` entry point."""
-
-    @staticmethod
-    @hookimpl
-    def rdzv_register_backends() -> list[BackendSpec]:
-        return [
-            BackendSpec(
-                schemes=("etcd-v2", "etcd"),
-                open=_open,
-                capabilities=EtcdV2Backend.capabilities,
-                default_port=DEFAULT_PORT,
-                query_keys=QUERY_KEYS,
-                requires_host=True,
-                description="etcd v2 API (servers started with --enable-v2), python-etcd",
-            )
-        ]
+#: Registers ``etcd://`` and ``etcd-v2://`` through the ``rdzv`` entry point.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("etcd-v2", "etcd"),
+        open=_open,
+        capabilities=EtcdV2Backend.capabilities,
+        default_port=DEFAULT_PORT,
+        query_keys=QUERY_KEYS,
+        requires_host=True,
+        description="etcd v2 API (servers started with --enable-v2), python-etcd",
+    )
+)

@@ -87,7 +87,7 @@ from rdzv_core.errors import (
     KVError,
 )
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
-from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
 from ._etcd_common import (
@@ -648,20 +648,15 @@ def _open(url: RendezvousURL) -> EtcdV3Backend:
     return EtcdV3Backend(EtcdSettings.from_url(url))
 
 
-class plugin:  # noqa: N801 - entry-point object, named like a module attribute
-    """Registers ``etcd-v3://`` and ``etcd3://`` through the ``rdzv`` entry point."""
-
-    @staticmethod
-    @hookimpl
-    def rdzv_register_backends() -> list[BackendSpec]:
-        return [
-            BackendSpec(
-                schemes=("etcd-v3", "etcd3"),
-                open=_open,
-                capabilities=EtcdV3Backend.capabilities,
-                default_port=DEFAULT_PORT,
-                query_keys=QUERY_KEYS,
-                requires_host=True,
-                description="etcd v3 gRPC API, one lease per key, python3-etcd3",
-            )
-        ]
+#: Registers ``etcd-v3://`` and ``etcd3://`` through the ``rdzv`` entry point.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("etcd-v3", "etcd3"),
+        open=_open,
+        capabilities=EtcdV3Backend.capabilities,
+        default_port=DEFAULT_PORT,
+        query_keys=QUERY_KEYS,
+        requires_host=True,
+        description="etcd v3 gRPC API, one lease per key, python3-etcd3",
+    )
+)

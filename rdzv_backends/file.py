@@ -65,7 +65,7 @@ from rdzv_core.errors import (
     KVError,
 )
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter
-from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_positive_float
 
 __all__ = ["FileBackend", "HISTORY_LIMIT", "DB_NAME", "plugin"]
@@ -540,18 +540,13 @@ def _open(url: RendezvousURL) -> FileBackend:
     return FileBackend("/" + url.path, url.params.get("operation_timeout", DEFAULT_OPERATION_TIMEOUT))
 
 
-class plugin:  # noqa: N801 - entry-point object, named like a module attribute
-    """Registers ``file://`` through the ``rdzv`` entry point, like any plugin."""
-
-    @staticmethod
-    @hookimpl
-    def rdzv_register_backends() -> list[BackendSpec]:
-        return [
-            BackendSpec(
-                schemes=("file",),
-                open=_open,
-                capabilities=FileBackend.capabilities,
-                query_keys={"operation_timeout": to_positive_float},
-                description="SQLite file shared by the processes of one host (no server)",
-            )
-        ]
+#: Registers ``file://`` through the ``rdzv`` entry point, like any plugin.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("file",),
+        open=_open,
+        capabilities=FileBackend.capabilities,
+        query_keys={"operation_timeout": to_positive_float},
+        description="SQLite file shared by the processes of one host (no server)",
+    )
+)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from rdzv_core.errors import CompareFailed, HistoryCompacted, InvalidURLError, KeyExists, KeyNotFound
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter
-from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
 __all__ = ["MemoryBackend", "HISTORY_LIMIT", "plugin"]
@@ -213,17 +213,12 @@ def _open(url: RendezvousURL) -> MemoryBackend:
     return MemoryBackend(url.hosts[0][0] if url.hosts else "default")
 
 
-class plugin:  # noqa: N801 - entry-point object, named like a module attribute
-    """Registers ``memory://`` through the ``rdzv`` entry point, like any plugin."""
-
-    @staticmethod
-    @hookimpl
-    def rdzv_register_backends() -> list[BackendSpec]:
-        return [
-            BackendSpec(
-                schemes=("memory",),
-                open=_open,
-                capabilities=MemoryBackend.capabilities,
-                description="in-process keyspace shared by name (tests, simulations)",
-            )
-        ]
+#: Registers ``memory://`` through the ``rdzv`` entry point, like any plugin.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("memory",),
+        open=_open,
+        capabilities=MemoryBackend.capabilities,
+        description="in-process keyspace shared by name (tests, simulations)",
+    )
+)

@@ -120,7 +120,7 @@ from rdzv_core.errors import (
     UnknownBackendError,
 )
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend
-from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_int, to_str
 
 if TYPE_CHECKING:
@@ -777,20 +777,15 @@ QUERY_KEYS = {
 }
 
 
-class plugin:  # noqa: N801 - entry-point object, named like a module attribute
-    """Registers ``redis://`` and ``rediss://`` through the ``rdzv`` entry point."""
-
-    @staticmethod
-    @hookimpl
-    def rdzv_register_backends() -> list[BackendSpec]:
-        return [
-            BackendSpec(
-                schemes=("redis", "rediss"),
-                open=_open,
-                capabilities=CAPABILITIES,
-                default_port=DEFAULT_PORT,
-                query_keys=QUERY_KEYS,
-                requires_host=True,
-                description="one Redis server (Lua scripts, stream log, server-side TTLs; rediss:// for TLS)",
-            )
-        ]
+#: Registers ``redis://`` and ``rediss://`` through the ``rdzv`` entry point.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("redis", "rediss"),
+        open=_open,
+        capabilities=CAPABILITIES,
+        default_port=DEFAULT_PORT,
+        query_keys=QUERY_KEYS,
+        requires_host=True,
+        description="one Redis server (Lua scripts, stream log, server-side TTLs; rediss:// for TLS)",
+    )
+)

@@ -45,6 +45,7 @@ __all__ = [
     "BackendInfo",
     "Registry",
     "get_registry",
+    "backend_plugin",
 ]
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,24 @@ class Registry:
                 "scheme", scheme, f"was not recognized{hint}. Choose one of: {', '.join(known) or '(none)'}"
             )
         return info
+
+
+def backend_plugin(*specs: BackendSpec) -> Any:
+    """An entry-point object whose ``rdzv_register_backends`` hook returns ``specs``.
+
+    Example (the built-ins do exactly this)::
+
+        plugin = backend_plugin(BackendSpec(schemes=("memory",), open=_open, capabilities=...))
+    """
+
+    class _Plugin:
+        @staticmethod
+        @hookimpl
+        def rdzv_register_backends() -> list[BackendSpec]:
+            return list(specs)
+
+    _Plugin.__name__ = _Plugin.__qualname__ = f"plugin[{','.join(s.name for s in specs)}]"
+    return _Plugin
 
 
 _REGISTRY: Registry | None = None
