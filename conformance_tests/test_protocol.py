@@ -3,15 +3,17 @@
 Backend-independent: revisions are compared only with each other (a shared
 server advances them for other tests too), every test writes below its own
 ``key_prefix``, and optional abilities (value limits, compaction) become skips
-with a reason. Waits are watches with deadlines, never bare sleeps.
+with a reason. Waits are watches with deadlines, never bare sleeps. Every
+failure message names the contract of :mod:`rdzv_core.kv` that was broken.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -44,6 +46,20 @@ THREADS = 8
 
 
 # -- helpers -------------------------------------------------------------------
+@contextlib.contextmanager
+def raises(expected: type[BaseException], contract: str) -> Iterator[Any]:
+    """``pytest.raises(expected)`` whose failure names the broken ``contract`` (str)."""
+    try:
+        with pytest.raises(expected) as info:
+            yield info
+        return
+    except pytest.fail.Exception:  # pytest's "DID NOT RAISE"
+        pass
+    except Exception as other:
+        raise AssertionError(f"{contract} (raised {type(other).__name__}: {other})") from other
+    pytest.fail(f"{contract} (nothing was raised)")
+
+
 def collect(kv: KVBackend, prefix: str, after: int, count: int, timeout: float = PATIENCE) -> list[Event]:
     """Watch until ``count`` events arrived (or ``timeout``); check each batch's ordering rules."""
     deadline = time.monotonic() + timeout
@@ -119,28 +135,28 @@ def ttl_deadline(capabilities: Any, ttl: float) -> float:
 
 # -- get / put / list ------------------------------------------------------------
 def test_get_absent_is_none(kv: KVBackend, key_prefix: str) -> None:
-    assert kv.get(key_prefix + "nothing") is None
+    assert kv.get(key_prefix + "nothing") is None, "get of an absent key must return None"
 
 
 def test_put_get_roundtrip(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
     writer, reader = kv_factory(), kv_factory()
     entry = writer.put(key_prefix + "k", b"v1")
-    assert entry == Entry(key_prefix + "k", b"v1", entry.revision)
-    assert isinstance(entry.revision, int) and entry.revision > 0
-    assert writer.get(key_prefix + "k") == entry
+    assert entry == Entry(key_prefix + "k", b"v1", entry.revision), "put must return the entry it wrote"
+    assert isinstance(entry.revision, int) and entry.revision > 0, "revisions are positive ints"
+    assert writer.get(key_prefix + "k") == entry, "get must return what put wrote"
     assert reader.get(key_prefix + "k") == entry, "a second client must read the first one's write"
 
 
 def test_put_overwrites_and_advances_revision(kv: KVBackend, key_prefix: str) -> None:
     first = kv.put(key_prefix + "k", b"one")
     second = kv.put(key_prefix + "k", b"two")
-    assert second.revision > first.revision
-    assert kv.get(key_prefix + "k") == Entry(key_prefix + "k", b"two", second.revision)
+    assert second.revision > first.revision, "every write must advance the revision"
+    assert kv.get(key_prefix + "k") == Entry(key_prefix + "k", b"two", second.revision), "get must return the last put"
 
 
 def test_revisions_increase_across_keys(kv: KVBackend, key_prefix: str) -> None:
     revisions = [kv.put(f"{key_prefix}k{i}", b"x").revision for i in range(5)]
-    assert revisions == sorted(set(revisions))
+    assert revisions == sorted(set(revisions)), "revisions must increase strictly with every write, across keys"
 
 
 def test_list_sorted_with_revision_at_read_time(kv: KVBackend, key_prefix: str) -> None:
@@ -148,11 +164,11 @@ def test_list_sorted_with_revision_at_read_time(kv: KVBackend, key_prefix: str) 
     random.Random(7).shuffle(names)
     written = [kv.put(key_prefix + n, n.encode()) for n in names]
     entries, revision = kv.list(key_prefix)
-    assert [e.key for e in entries] == sorted(key_prefix + n for n in names)
-    assert {e.key: e for e in entries} == {e.key: e for e in written}
+    assert [e.key for e in entries] == sorted(key_prefix + n for n in names), "list must return every key, sorted"
+    assert {e.key: e for e in entries} == {e.key: e for e in written}, "list must return each entry as last written"
     assert revision >= max(e.revision for e in written), "list's revision predates writes it returned"
     later = kv.put(key_prefix + "later", b"x")
-    assert kv.list(key_prefix)[1] >= later.revision
+    assert kv.list(key_prefix)[1] >= later.revision, "list's revision predates a write made before it"
 
 
 def test_list_prefix_boundaries(kv: KVBackend, key_prefix: str) -> None:
@@ -160,32 +176,34 @@ def test_list_prefix_boundaries(kv: KVBackend, key_prefix: str) -> None:
     outside = ["a", "a-b", "a.b", "a0", "a~", "ab/c", "b/a/b"]
     for name in inside + outside:
         kv.put(key_prefix + name, b"x")
-    assert [e.key for e in kv.list(key_prefix + "a/")[0]] == sorted(key_prefix + n for n in inside)
-    assert kv.list(key_prefix + "zzz/")[0] == []
+    assert [e.key for e in kv.list(key_prefix + "a/")[0]] == sorted(key_prefix + n for n in inside), (
+        "list(prefix) must return exactly the keys that start with prefix"
+    )
+    assert kv.list(key_prefix + "zzz/")[0] == [], "list of an empty prefix must be []"
 
 
 def test_list_empty_prefix_is_whole_keyspace(kv: KVBackend, key_prefix: str) -> None:
     mine = {kv.put(key_prefix + n, b"x").key for n in ("y", "x")}
     entries, revision = kv.list("")
     keys = [e.key for e in entries]
-    assert keys == sorted(keys)
-    assert mine <= set(keys)
-    assert revision > 0
+    assert keys == sorted(keys), "list('') must be sorted by key"
+    assert mine <= set(keys), "list('') must return the whole keyspace"
+    assert revision > 0, "list's revision must be positive once something was written"
 
 
 def test_list_excludes_deleted(kv: KVBackend, key_prefix: str) -> None:
     kv.put(key_prefix + "a", b"1")
     kv.put(key_prefix + "b", b"2")
     kv.delete(key_prefix + "a")
-    assert [e.key for e in kv.list(key_prefix)[0]] == [key_prefix + "b"]
+    assert [e.key for e in kv.list(key_prefix)[0]] == [key_prefix + "b"], "list must not return deleted keys"
 
 
 # -- create ---------------------------------------------------------------------
 def test_create_only_if_absent(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     entry = kv.create(key, b"first")
-    assert entry == Entry(key, b"first", entry.revision)
-    with pytest.raises(KeyExists):
+    assert entry == Entry(key, b"first", entry.revision), "create must return the entry it wrote"
+    with raises(KeyExists, "create on a present key must raise KeyExists"):
         kv.create(key, b"second")
     assert kv.get(key) == entry, "a failed create must not change the key"
 
@@ -193,9 +211,9 @@ def test_create_only_if_absent(kv: KVBackend, key_prefix: str) -> None:
 def test_create_after_delete(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     first = kv.create(key, b"1")
-    assert kv.delete(key)
+    assert kv.delete(key), "delete of a present key must return True"
     second = kv.create(key, b"2")
-    assert second.revision > first.revision and kv.get(key) == second
+    assert second.revision > first.revision and kv.get(key) == second, "create after delete must write anew"
 
 
 # -- compare-and-swap / compare-and-delete ------------------------------------------
@@ -203,41 +221,45 @@ def test_cas_success_advances_revision(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     old = kv.put(key, b"old")
     new = kv.compare_and_swap(key, b"new", old.revision)
-    assert new.key == key and new.value == b"new" and new.revision > old.revision
-    assert kv.get(key) == new
+    assert new.key == key and new.value == b"new" and new.revision > old.revision, (
+        "compare_and_swap with the current revision must write, with a larger revision"
+    )
+    assert kv.get(key) == new, "get must return what compare_and_swap wrote"
 
 
 def test_cas_stale_revision_fails(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     old = kv.put(key, b"old")
     current = kv.put(key, b"current")
-    with pytest.raises(CompareFailed) as info:
+    with raises(CompareFailed, "compare_and_swap with a stale revision must raise CompareFailed") as info:
         kv.compare_and_swap(key, b"lost", old.revision)
-    assert info.value.actual_revision in (None, current.revision)
+    assert info.value.actual_revision in (None, current.revision), "CompareFailed.actual_revision is wrong"
     assert kv.get(key) == current, "a failed CAS must not change the key"
 
 
 def test_cas_absent_key(kv: KVBackend, key_prefix: str) -> None:
     other = kv.put(key_prefix + "other", b"x")
-    with pytest.raises(KeyNotFound):
+    with raises(KeyNotFound, "compare_and_swap on a never-written key must raise KeyNotFound"):
         kv.compare_and_swap(key_prefix + "never", b"x", other.revision)
     gone = kv.put(key_prefix + "gone", b"x")
     kv.delete(key_prefix + "gone")
-    with pytest.raises(KeyNotFound):
+    with raises(KeyNotFound, "compare_and_swap on a deleted key must raise KeyNotFound"):
         kv.compare_and_swap(key_prefix + "gone", b"x", gone.revision)
-    assert kv.get(key_prefix + "never") is None and kv.get(key_prefix + "gone") is None
+    assert kv.get(key_prefix + "never") is None and kv.get(key_prefix + "gone") is None, (
+        "a failed compare_and_swap must not create the key"
+    )
 
 
 def test_compare_and_delete(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     old = kv.put(key, b"old")
     current = kv.put(key, b"current")
-    with pytest.raises(CompareFailed):
+    with raises(CompareFailed, "compare_and_delete with a stale revision must raise CompareFailed"):
         kv.compare_and_delete(key, old.revision)
-    assert kv.get(key) == current
+    assert kv.get(key) == current, "a failed compare_and_delete must not change the key"
     kv.compare_and_delete(key, current.revision)
-    assert kv.get(key) is None
-    with pytest.raises(KeyNotFound):
+    assert kv.get(key) is None, "compare_and_delete with the current revision must delete"
+    with raises(KeyNotFound, "compare_and_delete on an absent key must raise KeyNotFound"):
         kv.compare_and_delete(key, current.revision)
 
 
@@ -245,43 +267,43 @@ def test_compare_and_delete(kv: KVBackend, key_prefix: str) -> None:
 def test_delete_reports_existence(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     kv.put(key, b"x")
-    assert kv.delete(key) is True
-    assert kv.get(key) is None
-    assert kv.delete(key) is False
+    assert kv.delete(key) is True, "delete of a present key must return True"
+    assert kv.get(key) is None, "a deleted key must read as None"
+    assert kv.delete(key) is False, "delete of an absent key must return False"
 
 
 def test_delete_is_not_recursive(kv: KVBackend, key_prefix: str) -> None:
     kv.put(key_prefix + "a", b"1")
     kv.put(key_prefix + "a/b", b"2")
-    assert kv.delete(key_prefix + "a")
-    assert kv.get(key_prefix + "a/b") is not None
+    assert kv.delete(key_prefix + "a"), "delete of a present key must return True"
+    assert kv.get(key_prefix + "a/b") is not None, "delete must not be recursive"
 
 
 # -- add ------------------------------------------------------------------------
 def test_add_counts_from_zero_and_stores_ascii(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "n"
-    assert kv.add(key, 5) == 5
-    assert kv.get(key).value == b"5"
-    assert kv.add(key, -7) == -2
-    assert kv.get(key).value == b"-2"
-    assert kv.add(key, 0) == -2
-    assert kv.add(key, 2**40) == 2**40 - 2
-    assert kv.get(key).value == str(2**40 - 2).encode("ascii")
+    assert kv.add(key, 5) == 5, "add on an absent key must count from 0"
+    assert kv.get(key).value == b"5", "add must store ASCII decimal"
+    assert kv.add(key, -7) == -2, "add must return the sum"
+    assert kv.get(key).value == b"-2", "add must store ASCII decimal"
+    assert kv.add(key, 0) == -2, "add(0) must return the current value"
+    assert kv.add(key, 2**40) == 2**40 - 2, "add must not overflow below 64 bits"
+    assert kv.get(key).value == str(2**40 - 2).encode("ascii"), "add must store ASCII decimal"
 
 
 def test_add_on_put_decimal_and_revision(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "n"
     before = kv.put(key, b"41")
-    assert kv.add(key, 1) == 42
+    assert kv.add(key, 1) == 42, "add must read a decimal value written by put"
     after = kv.get(key)
-    assert after.value == b"42" and after.revision > before.revision
+    assert after.value == b"42" and after.revision > before.revision, "add is a write: it must advance the revision"
 
 
 @pytest.mark.parametrize("bad", [b"abc", b"", b"1.5", b"\xff\x00", b"x1"])
 def test_add_on_non_integer_fails(kv: KVBackend, key_prefix: str, bad: bytes) -> None:
     key = key_prefix + "n"
     entry = kv.put(key, bad)
-    with pytest.raises(KVError):
+    with raises(KVError, f"add on the non-decimal value {bad!r} must raise KVError"):
         kv.add(key, 1)
     assert kv.get(key) == entry, "a failed add must not change the key"
 
@@ -311,13 +333,15 @@ def test_expired_key_counts_as_absent(kv: KVBackend, key_prefix: str, capabiliti
     entry_b = kv.put(b, b"x", ttl=TTL)
     kv.put(a, b"x", ttl=TTL)
     kv.put(c, b"7", ttl=TTL)
-    assert wait_deleted(kv, c, after, ttl_deadline(capabilities, TTL) + PATIENCE) is not None
-    with pytest.raises(KeyNotFound):
+    assert wait_deleted(kv, c, after, ttl_deadline(capabilities, TTL) + PATIENCE) is not None, (
+        "expiry never reached watch as a DELETE"
+    )
+    with raises(KeyNotFound, "refresh of an expired key must raise KeyNotFound"):
         kv.refresh(a, 5.0)
-    with pytest.raises(KeyNotFound):
+    with raises(KeyNotFound, "compare_and_swap on an expired key must raise KeyNotFound"):
         kv.compare_and_swap(b, b"y", entry_b.revision)
     assert kv.add(c, 1) == 1, "add on an expired key counts from 0"
-    assert kv.create(a, b"again").value == b"again"
+    assert kv.create(a, b"again").value == b"again", "create on an expired key must succeed"
 
 
 def test_refresh_keeps_value_and_extends_life(
@@ -327,16 +351,16 @@ def test_refresh_keeps_value_and_extends_life(
     entry = kv.create(key, b"payload", ttl=TTL)
     kv.refresh(key, TTL + 2 * MARGIN + capabilities.ttl_resolution + 1.0)
     refreshed = kv.get(key)
-    assert refreshed is not None and refreshed.value == b"payload"
-    assert refreshed.revision >= entry.revision
+    assert refreshed is not None and refreshed.value == b"payload", "refresh must keep the value"
+    assert refreshed.revision >= entry.revision, "refresh must not move the revision back"
     # Past the original expiry (plus slack) the key must still be there, and refresh emitted no event.
     events = quiet(kv, key_prefix, refreshed.revision, ttl_deadline(capabilities, TTL))
-    assert events == [], f"refreshed key changed: {events}"
-    assert kv.get(key) is not None and kv.get(key).value == b"payload"
+    assert events == [], f"refresh must extend the TTL and emit no event; the refreshed key changed: {events}"
+    assert kv.get(key) is not None and kv.get(key).value == b"payload", "refresh must extend the key's life"
 
 
 def test_refresh_absent_key(kv: KVBackend, key_prefix: str) -> None:
-    with pytest.raises(KeyNotFound):
+    with raises(KeyNotFound, "refresh of an absent key must raise KeyNotFound"):
         kv.refresh(key_prefix + "never", 1.0)
 
 
@@ -347,8 +371,8 @@ def test_write_without_ttl_clears_ttl(kv: KVBackend, key_prefix: str, capabiliti
     old = kv.put(by_cas, b"x", ttl=TTL)
     settled = kv.compare_and_swap(by_cas, b"y", old.revision).revision
     events = quiet(kv, key_prefix, settled, ttl_deadline(capabilities, TTL))
-    assert events == [], f"a key rewritten with ttl=None still expired: {events}"
-    assert kv.get(by_put).value == b"y" and kv.get(by_cas).value == b"y"
+    assert events == [], f"writing with ttl=None must remove the TTL; the key still expired: {events}"
+    assert kv.get(by_put).value == b"y" and kv.get(by_cas).value == b"y", "writing with ttl=None must remove the TTL"
 
 
 # -- watch ----------------------------------------------------------------------
@@ -370,22 +394,24 @@ def test_watch_sees_every_change_in_order(kv: KVBackend, key_prefix: str) -> Non
         (PUT, p + "n", b"3"),
         (DELETE, p + "b", None),
         (DELETE, p + "a", None),
-    ]
+    ], f"watch must return every change under the prefix (deletes too), in revision order; got {events}"
     revisions = [e.revision for e in events]
-    assert revisions == sorted(set(revisions))
-    assert revisions[:3] == [e1.revision, e2.revision, e3.revision]
+    assert revisions == sorted(set(revisions)), "watch events must be in strictly increasing revision order"
+    assert revisions[:3] == [e1.revision, e2.revision, e3.revision], "an event's revision must be the write's"
     # Watching from any event's revision never returns it or an older one.
     for i, event in enumerate(events[:-1]):
         rest = collect(kv, p, event.revision, 1)
-        assert rest and rest == events[i + 1 : i + 1 + len(rest)]
-    assert kv.watch(p, events[-1].revision, 0.2) == []
+        assert rest and rest == events[i + 1 : i + 1 + len(rest)], (
+            f"watch after revision {event.revision} must return the events after it, in order; got {rest}"
+        )
+    assert kv.watch(p, events[-1].revision, 0.2) == [], "watch after the last event must time out empty"
 
 
 def test_watch_times_out_empty(kv: KVBackend, key_prefix: str) -> None:
     after = head(kv, key_prefix)
     for timeout in (0.0, 0.3):
         started = time.monotonic()
-        assert kv.watch(key_prefix, after, timeout) == []
+        assert kv.watch(key_prefix, after, timeout) == [], "watch with nothing new must return []"
         elapsed = time.monotonic() - started
         assert timeout * 0.8 <= elapsed <= timeout + 2.0, f"watch(timeout={timeout}) took {elapsed:.3f}s"
 
@@ -395,8 +421,8 @@ def test_watch_returns_history_immediately(kv: KVBackend, key_prefix: str) -> No
     entry = kv.put(key_prefix + "k", b"v")
     started = time.monotonic()
     events = kv.watch(key_prefix, after, 30.0)
-    assert time.monotonic() - started < 5.0
-    assert events == [Event(PUT, key_prefix + "k", entry.revision, b"v")]
+    assert time.monotonic() - started < 5.0, "watch must return at once when events already exist"
+    assert events == [Event(PUT, key_prefix + "k", entry.revision, b"v")], f"watch must return the put; got {events}"
 
 
 def test_watch_wakes_on_another_clients_write(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
@@ -408,8 +434,10 @@ def test_watch_wakes_on_another_clients_write(kv_factory: Callable[[], KVBackend
     started = time.monotonic()
     entry = writer.put(key_prefix + "k", b"v")
     thread.join(PATIENCE)
-    assert not thread.is_alive() and time.monotonic() - started < PATIENCE
-    assert result == [[Event(PUT, key_prefix + "k", entry.revision, b"v")]]
+    assert not thread.is_alive() and time.monotonic() - started < PATIENCE, (
+        "a blocked watch must wake promptly on another client's write"
+    )
+    assert result == [[Event(PUT, key_prefix + "k", entry.revision, b"v")]], f"watch returned {result}"
 
 
 def test_watch_prefix_isolation(kv: KVBackend, key_prefix: str) -> None:
@@ -419,16 +447,18 @@ def test_watch_prefix_isolation(kv: KVBackend, key_prefix: str) -> None:
         kv.put(key_prefix + name, b"noise")
     assert kv.watch(p, after, 0.3) == [], "watch saw keys outside its prefix"
     entry = kv.put(p + "x", b"mine")
-    assert collect(kv, p, after, 1) == [Event(PUT, p + "x", entry.revision, b"mine")]
+    assert collect(kv, p, after, 1) == [Event(PUT, p + "x", entry.revision, b"mine")], "watch missed its key"
     deep = kv.put(p + "x/y", b"deeper")
-    assert collect(kv, p, entry.revision, 1) == [Event(PUT, p + "x/y", deep.revision, b"deeper")]
+    assert collect(kv, p, entry.revision, 1) == [Event(PUT, p + "x/y", deep.revision, b"deeper")], (
+        "watch(prefix) must see keys at any depth below prefix"
+    )
 
 
 def test_watch_whole_keyspace(kv: KVBackend, key_prefix: str) -> None:
     after = head(kv, key_prefix)
     entry = kv.put(key_prefix + "k", b"v")
     events = collect(kv, "", after, 10_000, timeout=0.5)  # other clients may write too
-    assert Event(PUT, key_prefix + "k", entry.revision, b"v") in events
+    assert Event(PUT, key_prefix + "k", entry.revision, b"v") in events, "watch('') must see the whole keyspace"
 
 
 def test_history_compacted_and_recovery(kv: KVBackend, key_prefix: str) -> None:
@@ -444,18 +474,23 @@ def test_history_compacted_and_recovery(kv: KVBackend, key_prefix: str) -> None:
         except HistoryCompacted:
             break
         if written >= max_writes or time.monotonic() > deadline:
-            pytest.skip(f"history after {written} writes ({time.monotonic() - deadline + budget:.1f}s) not compacted")
+            pytest.skip(
+                f"the backend did not compact its history within {written} writes and "
+                f"{time.monotonic() - deadline + budget:.1f}s (HistoryCompacted is optional; recovery not tested)"
+            )
         for _ in range(chunk):
             kv.put(key, str(written).encode())
             written += 1
     # Recovery: re-read, then watch from the revision read.
     entries, revision = kv.list(key_prefix + "h/")
-    assert [e.value for e in entries] == [str(written - 1).encode()]
+    assert [e.value for e in entries] == [str(written - 1).encode()], "list after compaction must return the last write"
     for event in kv.watch(key_prefix + "h/", revision, 0):
-        assert event.revision > revision
+        assert event.revision > revision, f"watch returned {event} at or below after_revision={revision}"
     entry = kv.put(key, b"after")
     events = collect(kv, key_prefix + "h/", revision, 1)
-    assert events == [Event(PUT, key, entry.revision, b"after")]
+    assert events == [Event(PUT, key, entry.revision, b"after")], (
+        "after HistoryCompacted, a watch from the revision re-read must work"
+    )
 
 
 def test_close_ends_a_blocked_watch(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
@@ -474,8 +509,10 @@ def test_close_ends_a_blocked_watch(kv_factory: Callable[[], KVBackend], key_pre
     thread.start()
     kv.close()
     thread.join(2.0 + PATIENCE)
-    assert not thread.is_alive() and len(result) == 1
-    assert result[0] == [] or isinstance(result[0], BackendClosed)
+    assert not thread.is_alive() and len(result) == 1, "close must end a blocked watch promptly"
+    assert result[0] == [] or isinstance(result[0], BackendClosed), (
+        f"a watch ended by close must return [] or raise BackendClosed, not {result[0]!r}"
+    )
 
 
 # -- values and keys ----------------------------------------------------------------
@@ -485,38 +522,40 @@ def test_binary_and_empty_values(kv: KVBackend, key_prefix: str) -> None:
     kv.put(key_prefix + "bin", blob)
     kv.put(key_prefix + "empty", b"")
     kv.create(key_prefix + "nul", b"\x00")
-    assert kv.get(key_prefix + "bin").value == blob
+    assert kv.get(key_prefix + "bin").value == blob, "values are bytes: every byte must round-trip"
     empty = kv.get(key_prefix + "empty")
-    assert empty is not None and empty.value == b""
-    assert kv.get(key_prefix + "nul").value == b"\x00"
-    assert [e.value for e in kv.list(key_prefix)[0]] == [blob, b"", b"\x00"]
-    assert [e.value for e in collect(kv, key_prefix, after, 3)] == [blob, b"", b"\x00"]
+    assert empty is not None and empty.value == b"", "an empty value is a present key"
+    assert kv.get(key_prefix + "nul").value == b"\x00", "values are bytes: NUL must round-trip"
+    assert [e.value for e in kv.list(key_prefix)[0]] == [blob, b"", b"\x00"], "list must return values unchanged"
+    assert [e.value for e in collect(kv, key_prefix, after, 3)] == [blob, b"", b"\x00"], (
+        "watch must return values unchanged"
+    )
 
 
 def test_value_accepts_bytearray_and_memoryview(kv: KVBackend, key_prefix: str) -> None:
-    assert kv.put(key_prefix + "a", bytearray(b"ba")).value == b"ba"
-    assert kv.put(key_prefix + "m", memoryview(b"mv")).value == b"mv"
-    assert kv.get(key_prefix + "a").value == b"ba"
-    with pytest.raises(InvalidKeyError):
+    assert kv.put(key_prefix + "a", bytearray(b"ba")).value == b"ba", "values may be given as bytearray"
+    assert kv.put(key_prefix + "m", memoryview(b"mv")).value == b"mv", "values may be given as memoryview"
+    assert kv.get(key_prefix + "a").value == b"ba", "a bytearray value must be stored as bytes"
+    with raises(InvalidKeyError, "a str value must raise InvalidKeyError"):
         kv.put(key_prefix + "s", "text")  # type: ignore[arg-type]
 
 
 def test_one_mebibyte_value(kv: KVBackend, key_prefix: str, capabilities: Any) -> None:
     size = 1 << 20
     if capabilities.max_value_bytes is not None and capabilities.max_value_bytes < size:
-        pytest.skip(f"max_value_bytes={capabilities.max_value_bytes} < 1 MiB")
+        pytest.skip(f"backend declares max_value_bytes={capabilities.max_value_bytes} < 1 MiB")
     blob = random.Random(1).randbytes(size)
     entry = kv.put(key_prefix + "big", blob)
-    assert kv.get(key_prefix + "big") == entry and entry.value == blob
-    assert collect(kv, key_prefix, entry.revision - 1, 1)[0].value == blob
+    assert kv.get(key_prefix + "big") == entry and entry.value == blob, "a 1 MiB value must round-trip"
+    assert collect(kv, key_prefix, entry.revision - 1, 1)[0].value == blob, "watch must carry a 1 MiB value"
 
 
 def test_value_too_large_writes_nothing(kv: KVBackend, key_prefix: str, capabilities: Any) -> None:
     limit = capabilities.max_value_bytes
     if limit is None:
-        pytest.skip("backend declares no max_value_bytes")
+        pytest.skip("backend declares no max_value_bytes (unlimited values): nothing to reject")
     if limit > 256 * 1024 * 1024:
-        pytest.skip(f"max_value_bytes={limit} is too large to allocate in a test")
+        pytest.skip(f"backend declares max_value_bytes={limit}: too large to allocate in a test")
     key = key_prefix + "k"
     existing = kv.put(key, b"small")
     after = existing.revision
@@ -526,10 +565,10 @@ def test_value_too_large_writes_nothing(kv: KVBackend, key_prefix: str, capabili
         lambda: kv.create(key_prefix + "new", too_big),
         lambda: kv.compare_and_swap(key, too_big, existing.revision),
     ):
-        with pytest.raises(ValueTooLarge):
+        with raises(ValueTooLarge, f"a value above max_value_bytes={limit} must raise ValueTooLarge"):
             call()
-    assert kv.get(key) == existing and kv.get(key_prefix + "new") is None
-    assert kv.watch(key_prefix, after, 0.2) == []
+    assert kv.get(key) == existing and kv.get(key_prefix + "new") is None, "ValueTooLarge must write nothing"
+    assert kv.watch(key_prefix, after, 0.2) == [], "ValueTooLarge must write nothing"
 
 
 HOSTILE = [b"", b"\x00", b"/", b"//", b".", b"..", b"../x", b"\xff\xfe", "ü/ß".encode(), b"%", b"%25", b"_",
@@ -538,15 +577,17 @@ HOSTILE = [b"", b"\x00", b"/", b"//", b".", b"..", b"../x", b"\xff\xfe", "ü/ß"
 
 def test_hostile_segments_round_trip_without_collisions(kv: KVBackend, key_prefix: str) -> None:
     keys = {raw: key_prefix + "u/" + escape_segment(raw) + "/v" for raw in HOSTILE}
-    assert len(set(keys.values())) == len(HOSTILE)
+    assert len(set(keys.values())) == len(HOSTILE), "escape_segment must not map two inputs to one segment"
     for raw, key in keys.items():
         kv.create(key, raw)
     entries, _ = kv.list(key_prefix + "u/")
-    assert len(entries) == len(HOSTILE)
-    assert {unescape_segment(e.key.split("/")[-2]): e.value for e in entries} == {r: r for r in HOSTILE}
+    assert len(entries) == len(HOSTILE), "escaped keys collided in the backend"
+    assert {unescape_segment(e.key.split("/")[-2]): e.value for e in entries} == {r: r for r in HOSTILE}, (
+        "escaped keys must round-trip through the backend"
+    )
     for raw, key in keys.items():
-        assert kv.get(key).value == raw
-    assert escape_segment("ü/ß") == escape_segment("ü/ß".encode())
+        assert kv.get(key).value == raw, f"get of the escaped key for {raw!r} returned another value"
+    assert escape_segment("ü/ß") == escape_segment("ü/ß".encode()), "escape_segment(str) must equal its UTF-8 bytes"
 
 
 def test_sql_and_glob_wildcards_in_prefixes_are_literal(kv: KVBackend, key_prefix: str) -> None:
@@ -557,8 +598,10 @@ def test_sql_and_glob_wildcards_in_prefixes_are_literal(kv: KVBackend, key_prefi
     for d in decoys:
         kv.put(d, b"decoy")
     mine = kv.put(p + "k", b"mine")
-    assert kv.list(p)[0] == [mine]
-    assert collect(kv, p, after, 1) == [Event(PUT, p + "k", mine.revision, b"mine")]
+    assert kv.list(p)[0] == [mine], "list(prefix) must treat SQL/glob wildcards in the prefix literally"
+    assert collect(kv, p, after, 1) == [Event(PUT, p + "k", mine.revision, b"mine")], (
+        "watch(prefix) must treat SQL/glob wildcards in the prefix literally"
+    )
 
 
 BAD_KEYS: list[Any] = ["", "/a", "a/", "a//b", ".", "..", "a/../b", "a/./b", "a b", "a\x00b", "ü", "a*", "a?b",
@@ -579,16 +622,16 @@ def test_invalid_keys_rejected(kv: KVBackend, key_prefix: str) -> None:
             lambda: kv.refresh(bad, 1.0),
             lambda: kv.add(bad, 1),
         ):
-            with pytest.raises(InvalidKeyError):
+            with raises(InvalidKeyError, f"the invalid key {bad!r} must raise InvalidKeyError"):
                 call()
     assert kv.watch(key_prefix, revision, 0) == [], "a rejected call wrote something"
 
 
 def test_invalid_prefixes_rejected(kv: KVBackend, key_prefix: str) -> None:
     for bad in BAD_PREFIXES:
-        with pytest.raises(InvalidKeyError):
+        with raises(InvalidKeyError, f"list of the invalid prefix {bad!r} must raise InvalidKeyError"):
             kv.list(bad)
-        with pytest.raises(InvalidKeyError):
+        with raises(InvalidKeyError, f"watch of the invalid prefix {bad!r} must raise InvalidKeyError"):
             kv.watch(bad, 0, 0)
 
 
@@ -614,9 +657,9 @@ def test_invalid_prefixes_rejected(kv: KVBackend, key_prefix: str) -> None:
 )
 def test_invalid_arguments_rejected(kv: KVBackend, key_prefix: str, call: Callable[..., Any]) -> None:
     key = key_prefix + "k"
-    with pytest.raises(InvalidKeyError):
+    with raises(InvalidKeyError, "an invalid TTL, revision, delta or timeout must raise InvalidKeyError"):
         call(kv, key)
-    assert kv.get(key) is None
+    assert kv.get(key) is None, "a rejected call must write nothing"
 
 
 def test_closed_backend_raises(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
@@ -637,12 +680,12 @@ def test_closed_backend_raises(kv_factory: Callable[[], KVBackend], key_prefix: 
         lambda: kv.add(key_prefix + "c", 1),
         lambda: kv.watch(key_prefix, 0, 0),
     ):
-        with pytest.raises(BackendClosed):
+        with raises(BackendClosed, "every call on a closed backend must raise BackendClosed"):
             call()
     assert other.get(k) == entry, "closing one client must not affect another"
     with kv_factory() as scoped:
         scoped.get(k)
-    with pytest.raises(BackendClosed):
+    with raises(BackendClosed, "leaving a backend's with-block must close it"):
         scoped.get(k)
 
 
@@ -653,10 +696,10 @@ def test_concurrent_add_loses_nothing(kv_factory: Callable[[], KVBackend], key_p
     key = key_prefix + "counter"
     results = run_threads(THREADS, lambda i: [clients[i].add(key, 1) for _ in range(per_thread)])
     errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors
+    assert not errors, f"concurrent add raised: {errors}"
     totals = sorted(t for r in results for t in r)
-    assert totals == list(range(1, THREADS * per_thread + 1)), "two adds returned the same total"
-    assert clients[0].get(key).value == str(THREADS * per_thread).encode()
+    assert totals == list(range(1, THREADS * per_thread + 1)), "add must be atomic: two adds returned the same total"
+    assert clients[0].get(key).value == str(THREADS * per_thread).encode(), "add must be atomic: an add was lost"
 
 
 def test_concurrent_cas_has_one_winner(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
@@ -669,9 +712,11 @@ def test_concurrent_cas_has_one_winner(kv_factory: Callable[[], KVBackend], key_
         )
         winners = [r for r in results if isinstance(r, Entry)]
         losers = [r for r in results if not isinstance(r, Entry)]
-        assert len(winners) == 1, results
-        assert all(isinstance(r, CompareFailed) for r in losers), losers
-        assert clients[0].get(key) == winners[0]
+        assert len(winners) == 1, (
+            f"compare_and_swap must be atomic: exactly one of {THREADS} CAS on one revision may win; got {results}"
+        )
+        assert all(isinstance(r, CompareFailed) for r in losers), f"the losing CAS must raise CompareFailed: {losers}"
+        assert clients[0].get(key) == winners[0], "the key must hold the winning CAS"
 
 
 def test_concurrent_create_has_one_winner(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
@@ -680,9 +725,11 @@ def test_concurrent_create_has_one_winner(kv_factory: Callable[[], KVBackend], k
         key = f"{key_prefix}create{round_}"
         results = run_threads(THREADS, lambda i: clients[i].create(key, str(i).encode()))
         winners = [r for r in results if isinstance(r, Entry)]
-        assert len(winners) == 1, results
-        assert all(isinstance(r, KeyExists) for r in results if r is not winners[0]), results
-        assert clients[0].get(key) == winners[0]
+        assert len(winners) == 1, f"create must be atomic: exactly one of {THREADS} creates may win; got {results}"
+        assert all(isinstance(r, KeyExists) for r in results if r is not winners[0]), (
+            f"the losing creates must raise KeyExists: {results}"
+        )
+        assert clients[0].get(key) == winners[0], "the key must hold the winning create"
 
 
 def test_concurrent_compare_and_delete_has_one_winner(
@@ -693,6 +740,10 @@ def test_concurrent_compare_and_delete_has_one_winner(
     for _ in range(5):
         entry = clients[0].put(key, b"x")
         results = run_threads(THREADS, lambda i: clients[i].compare_and_delete(key, entry.revision))
-        assert results.count(None) == 1, results
-        assert all(isinstance(r, (KeyNotFound, CompareFailed)) for r in results if r is not None), results
-        assert clients[0].get(key) is None
+        assert results.count(None) == 1, (
+            f"compare_and_delete must be atomic: exactly one of {THREADS} may win; got {results}"
+        )
+        assert all(isinstance(r, (KeyNotFound, CompareFailed)) for r in results if r is not None), (
+            f"the losing compare_and_deletes must raise KeyNotFound or CompareFailed: {results}"
+        )
+        assert clients[0].get(key) is None, "compare_and_delete must delete"

@@ -63,6 +63,7 @@ KNOWN_EXTRAS: dict[str, str] = {
     "redis": "pip install 'rdzv[redis]'",
     "rediss": "pip install 'rdzv[redis]'",
     "postgresql": "pip install rdzv-postgres (examples/rdzv-postgres)",
+    "postgres": "pip install rdzv-postgres (examples/rdzv-postgres)",
 }
 
 
