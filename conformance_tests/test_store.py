@@ -24,6 +24,22 @@ pytestmark = pytest.mark.store
 
 
 @pytest.fixture
+def later():
+    """``later(delay_s, fn)``: run ``fn`` on a timer thread; every timer is joined before teardown
+    closes the clients it uses."""
+    timers: list[threading.Timer] = []
+
+    def start(delay: float, fn: Callable[[], object]) -> None:
+        timer = threading.Timer(delay, fn)
+        timers.append(timer)
+        timer.start()
+
+    yield start
+    for timer in timers:
+        timer.join(30)
+
+
+@pytest.fixture
 def make_store(kv_factory: Callable[[], KVBackend], key_prefix: str):
     """``make_store(timeout_s=5.0, prefix=None)`` -> a KVStore on a fresh client, shared prefix by default."""
 
@@ -45,9 +61,9 @@ def test_set_get_binary_keys_and_values(make_store) -> None:
     assert b.num_keys() == len(hostile) + 1
 
 
-def test_get_waits_for_a_later_set(make_store) -> None:
+def test_get_waits_for_a_later_set(make_store, later) -> None:
     a, b = make_store(), make_store(timeout_s=10)
-    threading.Timer(0.3, lambda: a.set("late", b"v")).start()
+    later(0.3, lambda: a.set("late", b"v"))
     t0 = time.monotonic()
     assert b.get("late") == b"v"
     assert time.monotonic() - t0 < 8
@@ -61,13 +77,13 @@ def test_get_times_out_with_a_store_error(make_store) -> None:
     assert 0.9 <= time.monotonic() - t0 <= 3.0
 
 
-def test_wait_and_check(make_store) -> None:
+def test_wait_and_check(make_store, later) -> None:
     a, b = make_store(), make_store()
     assert not b.check(["x", "y"])
     with pytest.raises(dist.DistStoreError):
         b.wait(["x"], datetime.timedelta(seconds=0.3))
     a.set("x", b"1")
-    threading.Timer(0.2, lambda: a.set("y", b"2")).start()
+    later(0.2, lambda: a.set("y", b"2"))
     b.wait(["x", "y"], datetime.timedelta(seconds=10))
     assert b.check(["x", "y"])
 
