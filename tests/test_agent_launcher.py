@@ -156,8 +156,10 @@ def test_signal_stops_workers_and_leaves_the_run_open(node_url, procs, tmp_path,
     rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     os.kill(launcher.pid, sig)
     assert launcher.wait(60) == 128 + sig, launcher.tail()
-    wait_until(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 10,
-               "the worker and its child to be gone")
+    wait_until(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 30,
+               "the worker and its child to be gone",
+               lambda: f"worker alive={pid_alive(rec['pid'])} child alive={pid_alive(rec['child_pid'])}\n"
+                       + launcher.tail())
 
     handler = create_handler(url)
     try:
