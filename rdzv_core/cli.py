@@ -128,7 +128,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{parsed.scheme}: connected in {report['connect_ms']} ms; put median {report['put_latency_ms_median']} ms")
+        print(f"{parsed.scheme}: connected in {report['connect_ms']} ms; "
+              f"put median {report['put_latency_ms_median']} ms")
         for name, ok in checks.items():
             print(f"  {'ok  ' if ok else 'FAIL'} {name}")
     return 0 if all(checks.values()) else 1
@@ -149,7 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list installed backends")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_backends)
-    for name, fn, helptext in (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend")):
+    commands = (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend"))
+    for name, fn, helptext in commands:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")
         p.add_argument("--json", action="store_true")

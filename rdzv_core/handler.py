@@ -97,7 +97,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
 
         unknown = sorted(set(overrides) - set(HANDLER_OVERRIDES))
         if unknown:
-            raise errors.ConfigError(unknown[0], overrides[unknown[0]], f"unknown option; valid: {', '.join(HANDLER_OVERRIDES)}")
+            valid = ", ".join(HANDLER_OVERRIDES)
+            raise errors.ConfigError(unknown[0], overrides[unknown[0]], f"unknown option; valid: {valid}")
         info, parsed = parse_backend_url(url)
         settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
         if "min_nodes" not in settings:
@@ -147,7 +148,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         # min(store timeout, rendezvous timeout), then report a timeout (rank 0 died).
         wait = datetime.timedelta(seconds=min(self._store_timeout.total_seconds(), self.params.timeout))
         try:
-            bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, KVStore(self._kv, prefix, wait), self._local_addr)
+            bootstrap_store = KVStore(self._kv, prefix, wait)
+            bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, bootstrap_store, self._local_addr)
         except dist.DistStoreError as exc:
             raise torch_api.RendezvousTimeoutError(
                 f"round {result.version}: rank 0 did not publish MASTER_ADDR/MASTER_PORT within {wait}: {exc}"

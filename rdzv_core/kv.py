@@ -56,6 +56,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from .errors import BackendClosed, InvalidKeyError, KVError, ValueTooLarge
 
+_List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
+
 __all__ = [
     "Entry",
     "EventType",
@@ -258,7 +260,7 @@ class KVBackend(abc.ABC):
         self._check_open()
         return self._do_get(check_key(key))
 
-    def list(self, prefix: str) -> tuple[list[Entry], int]:
+    def list(self, prefix: str) -> tuple[_List[Entry], int]:
         """Return ``(entries below prefix sorted by key, keyspace revision at read time)``."""
         self._check_open()
         return self._do_list(check_prefix(prefix))
@@ -332,7 +334,7 @@ class KVBackend(abc.ABC):
             raise InvalidKeyError("delta", delta, "add() takes an int")
         return self._do_add(check_key(key), delta)
 
-    def watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
+    def watch(self, prefix: str, after_revision: int, timeout: float) -> _List[Event]:
         """Wait for changes under ``prefix`` after ``after_revision`` (see module doc).
 
         Args:
@@ -384,7 +386,7 @@ class KVBackend(abc.ABC):
     def _do_get(self, key: str) -> Entry | None: ...
 
     @abc.abstractmethod
-    def _do_list(self, prefix: str) -> tuple[list[Entry], int]: ...
+    def _do_list(self, prefix: str) -> tuple[_List[Entry], int]: ...
 
     @abc.abstractmethod
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry: ...
@@ -408,7 +410,7 @@ class KVBackend(abc.ABC):
     def _do_add(self, key: str, delta: int) -> int: ...
 
     @abc.abstractmethod
-    def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]: ...
+    def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> _List[Event]: ...
 
     @abc.abstractmethod
     def _do_close(self) -> None: ...

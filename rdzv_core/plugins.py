@@ -29,7 +29,7 @@ import importlib.metadata
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import pluggy
 
@@ -138,7 +138,8 @@ class Registry:
         for impl in self._pm.hook.rdzv_register_backends.get_hookimpls():
             if impl.plugin is not plugin:
                 continue
-            for spec in impl.function():
+            specs = cast(Sequence[BackendSpec], impl.function())
+            for spec in specs:
                 if not isinstance(spec, BackendSpec):
                     raise PluginError(f"{distribution!r} returned {spec!r}, not a BackendSpec")
                 for scheme in spec.schemes:

@@ -501,7 +501,8 @@ class Rendezvous:
             self._progress("waiting", version, world, deadline)
             if time.monotonic() >= deadline:
                 return
-            wait_for_change(self.kv, self.root + "/", revision, min(time.monotonic() + self.params.keep_alive_ttl, deadline))
+            next_check = min(time.monotonic() + self.params.keep_alive_ttl, deadline)
+            wait_for_change(self.kv, self.root + "/", revision, next_check)
             entry_now, state_now = self._read_state()
             if entry_now is None or entry_now.revision != entry.revision:
                 return
@@ -548,7 +549,10 @@ class Rendezvous:
         if self.on_progress is not None:
             p = self.params
             self.on_progress(
-                Progress(phase, version, joined, p.min_nodes, p.max_nodes or p.min_nodes, max(0.0, deadline - time.monotonic()))
+                Progress(
+                    phase, version, joined, p.min_nodes, p.max_nodes or p.min_nodes,
+                    max(0.0, deadline - time.monotonic()),
+                )
             )
 
 
@@ -566,7 +570,9 @@ def _decode_state(entry: Entry) -> dict[str, Any]:
     try:
         state = json.loads(entry.value.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
-        raise RendezvousStateError(f"round record at {entry.key!r} is not JSON: {entry.value[:60]!r}", entry.key) from None
+        raise RendezvousStateError(
+            f"round record at {entry.key!r} is not JSON: {entry.value[:60]!r}", entry.key
+        ) from None
     if not isinstance(state, dict) or state.get("status") not in _STATUSES:
         raise RendezvousStateError(f"round record at {entry.key!r} has no valid 'status': {state!r:.120}", entry.key)
     if state["status"] != SETUP:

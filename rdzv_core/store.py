@@ -1,7 +1,8 @@
 """A c10d ``Store`` over any :class:`~rdzv_core.kv.KVBackend` (the seed's ``EtcdStore``, generalised).
 
 Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
-segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix (``ROOT/store/v_V/`` for a rendezvous round),
+segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix
+(``ROOT/store/v_V/`` for a rendezvous round),
 so two runs or two rounds never see each other's keys and no key can escape the
 prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
 until the keys appear or the timeout passes, then raise
@@ -84,7 +85,7 @@ class KVStore(dist.Store):
         """Write each ``values[i]`` at ``keys[i]`` (one write per key)."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        for key, value in zip(keys, values):
+        for key, value in zip(keys, values, strict=True):
             self.set(key, value)
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
@@ -200,7 +201,7 @@ class KVStore(dist.Store):
             if all(e is not None for e in entries):
                 continue
             if not wait_for_change(self._kv, self._prefix, revision, deadline):
-                missing = [k for k, e in zip(keys, entries) if e is None]
+                missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
                 raise dist.DistStoreError(
                     f"timed out after {seconds:.3f} s waiting for store keys {missing!r:.200} under {self._prefix!r}"
                 )
