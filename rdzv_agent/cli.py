@@ -232,9 +232,9 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         url = "file://{standalone_dir}/standalone-" + uuid.uuid4().hex[:12]
         min_nodes = max_nodes = 1
     elif modes == ["--rdzv"]:
-        url = url_arg
+        url = str(url_arg)
     else:
-        for name, value in zip(("rdzv_backend", "rdzv_endpoint", "rdzv_id"), parts):
+        for name, value in zip(("rdzv_backend", "rdzv_endpoint", "rdzv_id"), parts, strict=True):
             if not value:
                 raise ConfigError(name, value, "--rdzv-backend, --rdzv-endpoint and --rdzv-id go together")
         url = f"{args.rdzv_backend}://{args.rdzv_endpoint.rstrip('/')}/{args.rdzv_id}"

@@ -154,7 +154,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._exited.clear()
         self._procs, self._stopped_by_agent = {}, set()
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
-        argv = [spec.fn, *map(str, spec.args)]
+        argv = [str(spec.fn), *map(str, spec.args)]
         try:
             for worker in worker_group.workers:
                 lr = worker.local_rank

@@ -130,7 +130,8 @@ class Reporter:
         if phase:
             parts.append(str(phase))
         if joined is not None:
-            parts.append(f"{joined} joined of min {lo if lo is not None else '?'} / max {hi if hi is not None else '?'}")
+            lo_text, hi_text = (lo if lo is not None else "?"), (hi if hi is not None else "?")
+            parts.append(f"{joined} joined of min {lo_text} / max {hi_text}")
         if remaining is not None:
             parts.append(f"{max(0.0, float(remaining)):.0f} s left")
         self.say("rendezvous: " + ", ".join(parts))

@@ -113,7 +113,7 @@ class _Answer(NamedTuple):
 
     ok: bool
     body: dict[str, Any]
-    index: int
+    etcd_index: int
 
     @property
     def code(self) -> int | None:
@@ -396,14 +396,14 @@ class EtcdV2Backend(KVBackend):
         answer = self._call("GET", _dir_path(prefix), {"recursive": "true"}, self._deadline(), safe=True)
         if not answer.ok:
             if answer.code in (_KEY_NOT_FOUND, _NOT_DIR):
-                return [], answer.index
+                return [], answer.etcd_index
             raise self._unexpected(answer, prefix)
         entries = []
         for node in _leaves(answer.body["node"]):
             key = _key_of(node.get("key", ""))
             if key is not None and key.startswith(prefix):
                 entries.append(_entry(key, node))
-        return sorted(entries, key=lambda e: e.key), answer.index
+        return sorted(entries, key=lambda e: e.key), answer.etcd_index
 
     # -- writes ------------------------------------------------------------------
     def _write(self, key: str, params: dict[str, str], deadline: Deadline, *, safe: bool) -> _Answer:

@@ -104,7 +104,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
 
 from rdzv_core.errors import (
     BackendClosed,
@@ -579,7 +579,9 @@ class RedisBackend(KVBackend):
     def _do_get(self, key: str) -> Entry | None:
         with self._translate(key):
             value, rev = self._client.hmget(self._data + key, "v", "r")
-        return None if value is None else Entry(key, value, int(rev))
+        if value is None:
+            return None
+        return Entry(key, cast(bytes, value), int(cast(bytes, rev)))
 
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
         revision, flat = self._run("list", prefix, prefix)
