@@ -101,7 +101,7 @@ def test_redacted_round_trip() -> None:
 _ALLOWED = (InvalidURLError, UnknownBackendError)
 
 
-@settings(max_examples=2500, deadline=None)
+@settings(max_examples=10_000, deadline=None)
 @given(
     scheme=st.sampled_from(["memory", "file", "etcd", "redis", "x", "", "Memory", "1x"]),
     netloc=st.text(max_size=30),
