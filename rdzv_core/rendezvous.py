@@ -60,6 +60,7 @@ from .errors import (
     ConfigError,
     KeyExists,
     KeyNotFound,
+    KVError,
     RendezvousClosed,
     RendezvousStateError,
     RendezvousTimeout,
@@ -273,8 +274,7 @@ class Rendezvous:
         state = self._read_state()[1]
         if state is None or state["status"] != FINAL:
             return 0
-        entry = self.kv.get(self._vkey(state["version"], "waiting"))
-        return 0 if entry is None else parse_counter(entry.key, entry.value)
+        return self._counter(self._vkey(state["version"], "waiting"))
 
     def store_extra_data(self, version: int, key: str, value: bytes) -> None:
         """Store ``value`` under ``key`` for round ``version`` (after the seed's ``store_extra_data``)."""
@@ -339,7 +339,7 @@ class Rendezvous:
             setup = self.kv.create(self._state_key, _encode({"status": SETUP}), ttl=ttl)
         except KeyExists:
             raise _Retry("another node is setting up a round") from None
-        version = self.kv.add(join_key(self.root, "counter", "version"), 1)
+        version = self._add(join_key(self.root, "counter", "version"))
         state = {"status": JOINABLE, "version": version}
         try:
             entry = self.kv.compare_and_swap(self._state_key, _encode(state), setup.revision)
@@ -351,7 +351,7 @@ class Rendezvous:
     def _join(self, version: int, deadline: float) -> RoundResult:
         """Take a ticket, run the last call if ours, wait for the freeze (after the seed's join_phase)."""
         p = self.params
-        ticket = self.kv.add(self._vkey(version, "joined"), 1)
+        ticket = self._add(self._vkey(version, "joined"))
         log.info("run %s: joined round %d with ticket %d", self.run_id, version, ticket)
         if ticket == p.max_nodes:
             self._freeze(version, p.max_nodes, deadline)
@@ -459,7 +459,7 @@ class Rendezvous:
             self.kv.refresh(self._state_key, ttl)
         except KeyNotFound:
             raise _Retry(f"round {version} expired while frozen") from None
-        if self.kv.add(self._vkey(version, "confirmed"), 1) == world:
+        if self._add(self._vkey(version, "confirmed")) == world:
             while time.monotonic() < deadline:
                 entry, state = self._read_state()
                 if entry is None or state is None or state["status"] != FROZEN or state["version"] != version:
@@ -472,7 +472,10 @@ class Rendezvous:
                     continue
         while True:
             entry, state = self._read_state()
-            if entry is None or state is None or state["version"] != version or state["status"] not in (FROZEN, FINAL):
+            if entry is None or state is None or state.get("version") != version or state["status"] not in (
+                FROZEN,
+                FINAL,
+            ):
                 raise _Retry(f"round {version} ended before it became final")
             if state["status"] == FINAL:
                 return RoundResult(version, rank, world)
@@ -488,7 +491,7 @@ class Rendezvous:
         version = state["version"]
         world = _int_field(state, "participants", self._state_key)
         if version not in self._announced:
-            self.kv.add(self._vkey(version, "waiting"), 1)
+            self._add(self._vkey(version, "waiting"))
             self._announced.add(version)
         alive_prefix = self._vkey(version, "alive") + "/"
         while True:
@@ -525,11 +528,33 @@ class Rendezvous:
         entry = found.get(self._state_key)
         if entry is None:
             return None, None
-        return entry, _decode_state(entry)
+        state = _decode_state(entry)
+        limit = self.params.max_nodes or self.params.min_nodes
+        if state.get("participants", 0) > limit:
+            raise RendezvousStateError(
+                f"round record at {entry.key!r} has {state['participants']} participants, more than "
+                f"max_nodes={limit}; reset the run's state",
+                entry.key,
+            )
+        return entry, state
 
     def _counter(self, key: str) -> int:
         entry = self.kv.get(key)
-        return 0 if entry is None else parse_counter(key, entry.value)
+        if entry is None:
+            return 0
+        try:
+            return parse_counter(key, entry.value)
+        except KVError as exc:
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+
+    def _add(self, key: str) -> int:
+        """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
+        try:
+            return self.kv.add(key, 1)
+        except KVError as exc:
+            if type(exc) is not KVError:  # only the plain KVError means "the value is not a counter"
+                raise
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
 
     def _vkey(self, version: int, *parts: str) -> str:
         return join_key(self.root, f"v_{version}", *parts)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch.distributed as dist
 
-from .errors import CompareFailed, KeyExists, KeyNotFound
+from .errors import CompareFailed, KeyExists, KeyNotFound, ValueTooLarge
 from .kv import KVBackend, check_prefix, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
@@ -85,8 +85,13 @@ class KVStore(dist.Store):
         """Write each ``values[i]`` at ``keys[i]`` (one write per key)."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
-        for key, value in zip(keys, values, strict=True):
-            self.set(key, value)
+        pairs = [(self._key(k), _as_bytes("value", v)) for k, v in zip(keys, values, strict=True)]
+        limit = self._kv.capabilities.max_value_bytes
+        for full, data in pairs:  # all or nothing for sizes: check every value before the first write
+            if limit is not None and len(data) > limit:
+                raise ValueTooLarge(f"value of {len(data)} bytes for key {full!r} exceeds {limit} bytes", full)
+        for full, data in pairs:
+            self._kv.put(full, data)
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         """Atomically add ``amount`` to the decimal integer at ``key`` (absent = 0); return the sum."""
