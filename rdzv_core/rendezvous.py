@@ -323,6 +323,13 @@ class Rendezvous:
         status = state["status"]
         if status == CLOSED:
             raise RendezvousClosed(f"run {self.run_id} is closed")
+        limit = self.params.max_nodes or self.params.min_nodes
+        if state.get("participants", 0) > limit:  # a node of this job never admits more than max_nodes
+            raise RendezvousStateError(
+                f"round record at {entry.key!r} has {state['participants']} participants, more than "
+                f"max_nodes={limit}; reset the run's state",
+                entry.key,
+            )
         if status == JOINABLE:
             return self._join(state["version"], deadline)
         if status == FINAL:
@@ -528,15 +535,7 @@ class Rendezvous:
         entry = found.get(self._state_key)
         if entry is None:
             return None, None
-        state = _decode_state(entry)
-        limit = self.params.max_nodes or self.params.min_nodes
-        if state.get("participants", 0) > limit:
-            raise RendezvousStateError(
-                f"round record at {entry.key!r} has {state['participants']} participants, more than "
-                f"max_nodes={limit}; reset the run's state",
-                entry.key,
-            )
-        return entry, state
+        return entry, _decode_state(entry)
 
     def _counter(self, key: str) -> int:
         entry = self.kv.get(key)
