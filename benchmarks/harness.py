@@ -93,7 +93,8 @@ class WorkerPool:
             ready = mp.connection.wait(pending, timeout=max(0.0, remaining))
             if not ready:
                 self.kill()
-                raise CellTimeout(f"{len(wanted) - len(out)} of {len(wanted)} workers did not answer {expected!r} in time")
+                missing = len(wanted) - len(out)
+                raise CellTimeout(f"{missing} of {len(wanted)} workers did not answer {expected!r} in time")
             for conn in ready:
                 i = self.conns.index(conn)
                 try:
@@ -110,7 +111,9 @@ class WorkerPool:
 
     def call(self, messages: list[tuple[Any, ...]], expected: str, limit: float) -> list[Any]:
         """Send ``messages[i]`` to worker ``i``; their answers ``expected`` within ``limit`` seconds."""
-        for conn, message in zip(self.conns, messages):
+        if len(messages) != len(self.conns):
+            raise ValueError(f"{len(messages)} messages for {len(self.conns)} workers")
+        for conn, message in zip(self.conns, messages, strict=True):
             conn.send(message)
         return self.gather(expected, time.monotonic() + limit)
 

@@ -247,10 +247,12 @@ def markdown(results: dict[str, Any]) -> str:
             lines.append(f"| {target} | " + " | ".join(cells) + " |")
     verdicts = results.get("targets", [])
     if verdicts:
-        lines += ["", "### Targets", "", "| target | threshold | measured | verdict | margin |", "|---|---|---|---|---|"]
+        lines += ["", "### Targets", "", "| target | threshold | measured | verdict | margin |",
+                  "|---|---|---|---|---|"]
         for v in verdicts:
             measured = "–" if v["value"] is None else (
-                (">" if v.get("value_is_lower_bound") else "") + f"{v['value']:g} {v['unit']}")
+                (">" if v.get("value_is_lower_bound") else "") + f"{v['value']:g} {v['unit']}"
+                + (" (predicted, not run)" if v["status"] == "skipped" else ""))
             verdict = {True: "met", False: "**missed**", None: "inconclusive (baseline hit the limit)"}[v["met"]]
             margin = "–" if v["margin"] is None else f"{v['margin']:+g} {v['unit']}"
             lines.append(f"| {v['target']} | {v['threshold']} {v['unit']} | {measured} | {verdict} | {margin} |")

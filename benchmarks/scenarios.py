@@ -142,11 +142,12 @@ def run_latency(name: str, pools: LazyPool, servers: Any, plan: Plan,
                 say: Callable[[str], None]) -> list[dict[str, Any]]:
     """The latency cells of one target (one per N of ``plan.sizes``).
 
-    A target is not run at an N after it failed or timed out at a smaller N, nor
-    when it grew at least linearly between the last two sizes and its median at
-    the previous N, scaled linearly to this N, already exceeds this N's limit
-    (the cell gets ``predicted_s``, a conservative estimate given that trend);
-    such cells are ``skipped`` with the reason in ``note``.
+    A target is not run at an N after it failed or timed out at a smaller N. A
+    PyTorch baseline is also not run when it grew at least linearly between the
+    last two sizes and its median at the previous N, scaled linearly to this N,
+    already exceeds this N's limit (the cell gets ``predicted_s``, a conservative
+    estimate given that trend); rdzv backends are always measured. Such cells are
+    ``skipped`` with the reason in ``note``.
     """
     cells: list[dict[str, Any]] = []
     stop_reason: str | None = None
@@ -155,7 +156,7 @@ def run_latency(name: str, pools: LazyPool, servers: Any, plan: Plan,
     for n in plan.sizes:
         cell: dict[str, Any] = {"target": name, "n": n, "reps": [], "status": "ok"}
         cells.append(cell)
-        if stop_reason is None and _superlinear(prev2, prev):
+        if stop_reason is None and name.startswith("torch:") and _superlinear(prev2, prev):
             predicted = prev["median_s"] * n / prev["n"]
             if predicted > plan.limit_for(n):
                 cell["predicted_s"] = round(predicted, 1)

@@ -135,7 +135,8 @@ class Servers:
                 continue
             name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
             label = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            if v3 and name == "grpc_server_msg_received_total" and label.get("grpc_service", "").startswith("etcdserverpb"):
+            service = label.get("grpc_service", "")
+            if v3 and name == "grpc_server_msg_received_total" and service.startswith("etcdserverpb"):
                 out[label["grpc_method"]] = out.get(label["grpc_method"], 0.0) + value
             elif not v3 and name in ("etcd_debugging_store_reads_total", "etcd_debugging_store_writes_total"):
                 out[label["action"]] = out.get(label["action"], 0.0) + value

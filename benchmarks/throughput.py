@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import threading
 import time
-import traceback
 from typing import Any
 
 from .harness import CellTimeout, LazyPool, split
