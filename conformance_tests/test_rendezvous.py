@@ -120,7 +120,7 @@ def test_max_reached_ends_last_call_early(agents) -> None:
 
 
 def test_thirty_two_agents_get_distinct_ranks(agents) -> None:
-    group = [a.start() for a in agents(32, min_nodes=32, max_nodes=32)]
+    group = [a.start() for a in agents(32, min_nodes=32, max_nodes=32, keep_alive_ttl=3.0, timeout=60.0)]
     _assert_round(_wait_all(group, timeout=60.0), 32)
 
 
