@@ -411,7 +411,7 @@ class Rendezvous:
         log.info("run %s: round %d reached min_nodes; last call for %.1f s", self.run_id, version, p.last_call_timeout)
         while True:
             entry, state = self._read_state()
-            if entry is None or state is None or state["version"] != version or state["status"] != JOINABLE:
+            if entry is None or state is None or state["status"] != JOINABLE or state["version"] != version:
                 return
             now = time.monotonic()
             if now >= end:
