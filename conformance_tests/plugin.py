@@ -46,6 +46,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: The suite's markers, registered by the plugin so that ``--strict-markers`` works in a plugin author's CI.
+MARKERS = {
+    "protocol": "KV protocol contract (rdzv conformance suite)",
+    "rendezvous": "rendezvous state-machine scenarios (rdzv conformance suite)",
+    "store": "c10d Store contract (rdzv conformance suite)",
+    "faults": "server faults and bad input; some need a server controller (rdzv conformance suite)",
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name, description in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {description}")
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "rdzv_base_url" in metafunc.fixturenames:
         urls = metafunc.config.getoption("--rdzv-url") or list(DEFAULT_URLS)

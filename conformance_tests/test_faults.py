@@ -17,8 +17,6 @@ Two families, each test's docstring stating what is expected:
   a run whose keys were lost while agents waited, and a record with more
   participants than ``max_nodes``.
 
-Tests marked ``xfail(strict=True)`` reproduce a known bug, named in the reason;
-each fails as soon as its bug is fixed (then drop the marker).
 Agents are threads, each with its own client (as separate hosts would have).
 Measured times are recorded as test properties (``record_property``), from
 which ``conformance_tests/reliability_table.py`` renders ``docs/reliability.md``.
@@ -360,15 +358,6 @@ def test_final_round_across_a_short_restart(server: Any, crew, fast_kv, capabili
     assert second[0].version > first[0].version or not survived
 
 
-@pytest.mark.xfail(strict=True, raises=RendezvousTimeout, reason=(
-        "rdzv_core/rendezvous.py: a round is identified by its version number alone. When a run's keys are lost "
-        "(a server restarted without its data, `rdzv reset` while agents wait), the version counter starts again; "
-        "an agent waiting in Rendezvous._wait_until_not_joinable (likewise _confirm) that re-reads the state and "
-        "finds the NEW round 1 takes it for its own and keeps waiting on a ticket the new round never issued: no "
-        "round forms until the timeout (or two agents hold the same rank). Seen with etcd-v3 when a watch survived "
-        "the restart. Fix: give each round record a unique id at setup (uuid) and compare (version, id) wherever a "
-        "phase checks that it is still in its round"
-    ))
 def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_property) -> None:
     """Two agents wait in round 1 (min_nodes 3); the run's keys are lost and round 1 is created anew; a third comes.
 

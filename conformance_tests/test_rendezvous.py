@@ -159,6 +159,57 @@ def test_lapsed_keep_alive_destroys_final_round(agents, kv_factory) -> None:
     assert time.monotonic() - t0 < TTL + 10  # TTL + detection + last call, with margin
 
 
+def _until(kv: KVBackend, prefix: str, check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Re-check ``check()`` after every change under ``prefix`` (and at least every 0.5 s) until it holds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        revision = kv.list(prefix)[1]
+        if check():
+            return
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        kv.watch(prefix, revision, min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+def test_lapsed_keep_alive_key_is_written_again(agents, kv) -> None:
+    """A member's keep-alive key vanishes (a backend stall longer than the TTL): its keep-alive writes it again.
+
+    The seed's lease renewal stopped for good at the first lapse, so the member
+    vanished from a round it still trained in.
+    """
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    results = _wait_all(group)
+    member, result = group[0], results[0]
+    alive_key = f"{member.rdzv.root}/v_{result.version}/alive/rank_{result.rank}"
+    kv.delete(alive_key)
+    _until(kv, alive_key.rsplit("/", 1)[0] + "/", lambda: kv.get(alive_key) is not None, 10 * TTL,
+           "the lapsed keep-alive key was not written again")
+
+
+def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> None:
+    """The final round is destroyed while its members train (a late node saw a keep-alive lapse during a stall).
+
+    Expected: every member's ``num_nodes_waiting()`` turns >= 1 -- even before the
+    late node has joined the next round -- so its agent re-rendezvouses; the seed
+    answered 0 (the round record was no longer final) and the late node waited
+    alone until its timeout. Then all three form the next round.
+    """
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=3)]
+    r1 = _wait_all(group)
+    assert [a.rdzv.num_nodes_waiting() for a in group] == [0, 0]
+    state_key = group[0].rdzv.root + "/state/round"
+    entry = kv.get(state_key)
+    assert entry is not None
+    kv.compare_and_delete(state_key, entry.revision)  # what the late node's destroy does
+    assert [a.rdzv.num_nodes_waiting() >= 1 for a in group] == [True, True]
+    late = agents(1, min_nodes=2, max_nodes=3)[0].start()
+    for a in group:  # the agents' monitor loop re-rendezvouses on num_nodes_waiting() > 0
+        a.start()
+    results = _wait_all(group + [late])
+    _assert_round(results, 3)
+    assert results[0].version > r1[0].version
+    assert [a.rdzv.num_nodes_waiting() for a in group] == [0, 0]
+
+
 def test_leaving_member_lets_others_reform_promptly(agents) -> None:
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
     r1 = _wait_all(group)

@@ -565,10 +565,6 @@ def _event(body: dict[str, Any], prefix: str) -> Event | None:
 
 
 def _open(url: RendezvousURL) -> EtcdV2Backend:
-    if url.path:
-        raise InvalidURLError(
-            "path", url.path, "etcd URLs take no path before the run id; choose where keys live with ?prefix="
-        )
     return EtcdV2Backend(EtcdSettings.from_url(url))
 
 

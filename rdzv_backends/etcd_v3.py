@@ -641,10 +641,6 @@ def _not_sent(code: Any, details: str) -> bool:
 
 
 def _open(url: RendezvousURL) -> EtcdV3Backend:
-    if url.path:
-        raise InvalidURLError(
-            "path", url.path, "etcd URLs take no path before the run id; choose where keys live with ?prefix="
-        )
     return EtcdV3Backend(EtcdSettings.from_url(url))
 
 

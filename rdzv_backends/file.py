@@ -547,6 +547,7 @@ plugin = backend_plugin(
         open=_open,
         capabilities=FileBackend.capabilities,
         query_keys={"operation_timeout": to_positive_float},
+        uses_path=True,
         description="SQLite file shared by the processes of one host (no server)",
     )
 )

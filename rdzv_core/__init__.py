@@ -34,6 +34,7 @@ from .errors import (
     RendezvousTimeout,
     UnknownBackendError,
     ValueTooLarge,
+    CorruptEntry,
 )
 from .kv import Capabilities, Entry, Event, EventType, KVBackend, escape_segment, unescape_segment
 from .plugins import BackendInfo, BackendSpec, get_registry, hookimpl
@@ -77,6 +78,7 @@ __all__ = [
     "CompareFailed",
     "HistoryCompacted",
     "ValueTooLarge",
+    "CorruptEntry",
     "BackendClosed",
     "BackendUnavailable",
     "BackendConnectionError",
@@ -109,6 +111,13 @@ def parse_backend_url(url: str, *, require_run_id: bool = True) -> tuple[Backend
         require_host=spec.requires_host,
         require_run_id=require_run_id,
     )
+    if parsed.path and not spec.uses_path:
+        raise InvalidURLError(
+            "path",
+            parsed.path,
+            f"{scheme}:// URLs take no path before the run id ({scheme}://HOST/RUN_ID); "
+            "keys of different jobs are separated by the run id (and ?prefix= where the backend has it)",
+        )
     return info, parsed
 
 

@@ -22,7 +22,7 @@ import uuid
 from typing import Any, Sequence
 
 from . import RendezvousParams, list_backends, parse_backend_url
-from .errors import ConfigError, RdzvError
+from .errors import BackendUnavailable, ConfigError, CorruptEntry, RdzvError, RendezvousStateError
 from .kv import KVBackend, join_key
 from .rendezvous import Rendezvous
 
@@ -70,8 +70,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     for key in ("version", "participants", "joined", "waiting"):
         if key in state:
             print(f"{key:<13} {state[key]}")
+    now = time.time()
     for member in state.get("alive", []):
-        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')})")
+        if "corrupt" in member:
+            print(f"  {member['key']}: not a keep-alive record: {member['corrupt']}")
+            continue
+        since = member.get("since")
+        age = f", member for {max(0.0, now - since):.0f} s" if isinstance(since, (int, float)) else ""
+        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; keep-alive live")
     return 0
 
 
@@ -90,11 +96,32 @@ def cmd_reset(args: argparse.Namespace) -> int:
         return 1
     kv, rdzv = _open(args.url)
     with kv:
-        entries, _ = kv.list(rdzv.root + "/")
+        deleted = _delete_tree(kv, rdzv.root + "/")
+    print(f"deleted {deleted} keys")
+    return 0
+
+
+def _delete_tree(kv: KVBackend, prefix: str) -> int:
+    """Delete every key under ``prefix``, corrupt ones included; return how many.
+
+    A key holding data the protocol did not write makes ``list`` raise
+    :class:`CorruptEntry` naming it: that key is deleted and the listing repeated
+    (at most once per key found so, then the error is passed on).
+    """
+    deleted, corrupt = 0, set()
+    while True:
+        try:
+            entries, _ = kv.list(prefix)
+        except CorruptEntry as exc:
+            if exc.key is None or not exc.key.startswith(prefix) or exc.key in corrupt:
+                raise
+            corrupt.add(exc.key)
+            kv.delete(exc.key)
+            deleted += 1
+            continue
         for entry in entries:
             kv.delete(entry.key)
-    print(f"deleted {len(entries)} keys")
-    return 0
+        return deleted + len(entries)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -172,8 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"rdzv: {exc}", file=sys.stderr)
         return 2
-    except RdzvError as exc:
+    except (RendezvousStateError, CorruptEntry) as exc:
+        print(f"rdzv: {type(exc).__name__}: {exc} (to start the run afresh: rdzv reset <the same URL>)",
+              file=sys.stderr)
+        return 1
+    except BackendUnavailable as exc:
         print(f"rdzv: {type(exc).__name__}: {exc} (is the server running and the URL right?)", file=sys.stderr)
+        return 1
+    except RdzvError as exc:
+        print(f"rdzv: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -9,6 +9,7 @@
     │   ├── CompareFailed            the entry's revision is not the expected one
     │   ├── HistoryCompacted         watch() can no longer serve events after a revision
     │   ├── ValueTooLarge            a value exceeds the backend's ``max_value_bytes``
+    │   ├── CorruptEntry             stored data this protocol did not write (wrong type, not a counter)
     │   ├── BackendClosed            the backend was closed by its owner
     │   └── BackendUnavailable       the server cannot be used right now
     │       ├── BackendConnectionError   connection refused / lost
@@ -40,6 +41,7 @@ __all__ = [
     "CompareFailed",
     "HistoryCompacted",
     "ValueTooLarge",
+    "CorruptEntry",
     "BackendClosed",
     "BackendUnavailable",
     "BackendConnectionError",
@@ -111,6 +113,19 @@ class ValueTooLarge(KVError):
     """A value is larger than the backend's ``Capabilities.max_value_bytes``.
 
     Raised before anything is written.
+    """
+
+
+class CorruptEntry(KVError):
+    """The backend holds data at ``key`` that is not an entry of this protocol.
+
+    Examples: ``add`` on a value that is not ASCII decimal; a Redis key of the
+    wrong type (a list where a string belongs); an etcd v2 directory where a key
+    belongs; a non-integer revision counter; an SQLite value stored as TEXT.
+    Someone wrote it with another tool. Nothing was written by the failing call.
+    ``delete(key)`` (or ``rdzv reset URL``, which deletes such keys one by one)
+    recovers; ``key`` is ``None`` only when the bad data is the backend's own
+    bookkeeping, and the message then names the storage location to delete.
     """
 
 

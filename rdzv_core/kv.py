@@ -41,7 +41,12 @@ Watch
     ``[]`` or raise :class:`~rdzv_core.errors.BackendClosed` promptly.
 Counters
     ``add`` stores ASCII decimal (``-?[0-9]+``); any other present value is a
-    :class:`~rdzv_core.errors.KVError`.
+    :class:`~rdzv_core.errors.CorruptEntry`.
+Corrupt storage
+    Data at a key that this protocol did not write (a value of the wrong storage
+    type, unparseable bookkeeping) makes ``get``/``list``/``add``/... raise
+    :class:`~rdzv_core.errors.CorruptEntry` naming the key -- never a crash with a
+    client library's exception, never a hang -- and ``delete(key)`` removes it.
 
 The errors are drawn in :mod:`rdzv_core.errors`.
 """
@@ -54,7 +59,7 @@ import re
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from .errors import BackendClosed, InvalidKeyError, KVError, ValueTooLarge
+from .errors import BackendClosed, CorruptEntry, InvalidKeyError, ValueTooLarge
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
 
@@ -327,7 +332,7 @@ class KVBackend(abc.ABC):
         (``b"5"``), as c10d's ``Store.add`` does.
 
         Raises:
-            KVError: the present value is not a decimal integer.
+            CorruptEntry: the present value is not a decimal integer.
         """
         self._check_open()
         if isinstance(delta, bool) or not isinstance(delta, int):
@@ -423,9 +428,9 @@ def _check_revision(revision: int) -> int:
 
 
 def parse_counter(key: str, raw: bytes) -> int:
-    """Parse a value written by ``add`` (ASCII decimal); raise :class:`KVError` if it is not one."""
+    """Parse a value written by ``add`` (ASCII decimal); raise :class:`CorruptEntry` if it is not one."""
     if not _COUNTER.fullmatch(raw):
-        raise KVError(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key)
+        raise CorruptEntry(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key)
     return int(raw)
 
 

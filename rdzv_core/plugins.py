@@ -79,6 +79,10 @@ class BackendSpec:
         default_port: port used for hosts without one (int or ``None``).
         query_keys: backend-specific query keys -> converter ``(field, raw) -> value``.
         requires_host: URLs of this scheme must name a host.
+        uses_path: the backend reads :attr:`RendezvousURL.path` (``file://``'s
+            directory). When ``False`` (the default) a URL with a path before the
+            run id is refused, so that ``/team-a/job`` and ``/team-b/job`` can
+            never silently name one run.
         description: one line for ``rdzv backends``.
     """
 
@@ -88,6 +92,7 @@ class BackendSpec:
     default_port: int | None = None
     query_keys: Mapping[str, Converter] = field(default_factory=dict)
     requires_host: bool = False
+    uses_path: bool = False
     description: str = ""
 
     @property

@@ -60,7 +60,7 @@ from .errors import (
     ConfigError,
     KeyExists,
     KeyNotFound,
-    KVError,
+    CorruptEntry,
     RendezvousClosed,
     RendezvousStateError,
     RendezvousTimeout,
@@ -124,11 +124,17 @@ class RendezvousParams:
 
 @dataclass(frozen=True)
 class RoundResult:
-    """A completed round: ``version`` (int), this node's ``rank`` and the ``world_size``."""
+    """A completed round: ``version`` (int), this node's ``rank`` and the ``world_size``.
+
+    ``round_id`` (str) is the random id the round record got at setup: with the
+    version it identifies the round even if a run's keys were lost and the version
+    counter started again.
+    """
 
     version: int
     rank: int
     world_size: int
+    round_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -238,6 +244,10 @@ class Rendezvous:
                     self._stop_keepalive(delete=True)
                     if retry.delay:
                         backoff.sleep(deadline)
+                except CorruptEntry as exc:
+                    raise RendezvousStateError(
+                        f"run {self.run_id}: {exc}; reset the run's state (rdzv reset URL)", exc.key
+                    ) from exc
                 except BackendUnavailable as exc:
                     last_error = exc
                     log.warning("run %s: backend unavailable, retrying until the deadline: %s", self.run_id, exc)
@@ -270,8 +280,27 @@ class Rendezvous:
         log.info("run %s closed", self.run_id)
 
     def num_nodes_waiting(self) -> int:
-        """Nodes that arrived while the current round is final (0 in any other state)."""
+        """Nodes waiting for a round with this node in it (after the seed's ``num_nodes_waiting``).
+
+        As in the seed: the late nodes counted while the current round is final.
+        In addition, when this node holds a round (``self.current``) that is no
+        longer the run's live round -- destroyed because a keep-alive key lapsed,
+        for instance after the backend stalled for longer than ``keep_alive_ttl``,
+        or lost with the run's keys -- it returns the nodes that joined the round
+        now forming, and at least 1: a member must re-rendezvous rather than train
+        on in a round the others have left. 0 once the run is closed.
+        """
         state = self._read_state()[1]
+        current = self.current
+        if state is not None and state["status"] == CLOSED:
+            return 0
+        if current is not None and (
+            state is None or not _same_round(state, current.version, current.round_id or None)
+        ):
+            joined = 0
+            if state is not None and state["status"] == JOINABLE:
+                joined = self._counter(self._vkey(state["version"], "joined"))
+            return max(1, joined)
         if state is None or state["status"] != FINAL:
             return 0
         return self._counter(self._vkey(state["version"], "waiting"))
@@ -309,10 +338,9 @@ class Rendezvous:
         version = state.get("version")
         if isinstance(version, int) and version > 0:
             alive, _ = self.kv.list(self._vkey(version, "alive") + "/")
-            out["alive"] = [json.loads(e.value) for e in alive]
+            out["alive"] = [_member(e) for e in alive]
             for name in ("joined", "waiting"):
-                counter = self.kv.get(self._vkey(version, name))
-                out[name] = 0 if counter is None else parse_counter(counter.key, counter.value)
+                out[name] = self._counter(self._vkey(version, name))
         return out
 
     # -- one attempt (after the seed's init_phase) ----------------------------
@@ -331,7 +359,7 @@ class Rendezvous:
                 entry.key,
             )
         if status == JOINABLE:
-            return self._join(state["version"], deadline)
+            return self._join(state["version"], state.get("id"), deadline)
         if status == FINAL:
             self._wait_as_late_node(entry, state, deadline)
             raise _Retry("final round changed")
@@ -347,7 +375,7 @@ class Rendezvous:
         except KeyExists:
             raise _Retry("another node is setting up a round") from None
         version = self._add(join_key(self.root, "counter", "version"))
-        state = {"status": JOINABLE, "version": version}
+        state = _round_record(JOINABLE, version, uuid.uuid4().hex[:16])
         try:
             entry = self.kv.compare_and_swap(self._state_key, _encode(state), setup.revision)
         except (CompareFailed, KeyNotFound):
@@ -355,17 +383,22 @@ class Rendezvous:
         log.info("run %s: created round %d", self.run_id, version)
         return entry, state
 
-    def _join(self, version: int, deadline: float) -> RoundResult:
-        """Take a ticket, run the last call if ours, wait for the freeze (after the seed's join_phase)."""
+    def _join(self, version: int, rid: str | None, deadline: float) -> RoundResult:
+        """Take a ticket, run the last call if ours, wait for the freeze (after the seed's join_phase).
+
+        ``(version, rid)`` identify the round (``rid`` is the record's ``id``); every
+        later phase checks both, so a round recreated under the same version after
+        the run's keys were lost is never taken for this one.
+        """
         p = self.params
         ticket = self._add(self._vkey(version, "joined"))
         log.info("run %s: joined round %d with ticket %d", self.run_id, version, ticket)
         if ticket == p.max_nodes:
-            self._freeze(version, p.max_nodes, deadline)
+            self._freeze(version, rid, p.max_nodes, deadline)
         elif ticket == p.min_nodes:
-            self._last_call(version, deadline)
-        entry, state = self._wait_until_not_joinable(version, deadline)
-        if state["status"] != FROZEN or state["version"] != version:
+            self._last_call(version, rid, deadline)
+        entry, state = self._wait_until_not_joinable(version, rid, deadline)
+        if state["status"] != FROZEN or not _same_round(state, version, rid):
             raise _Retry(f"round {version} became {state['status']} before it froze")
         world = _int_field(state, "participants", self._state_key)
         if world > (p.max_nodes or world):
@@ -375,14 +408,14 @@ class Rendezvous:
             )
         if ticket > world:
             raise _Retry(f"round {version} froze with {world} nodes before ticket {ticket}")
-        return self._confirm(version, ticket - 1, world, deadline)
+        return self._confirm(version, rid, ticket - 1, world, deadline)
 
-    def _freeze(self, version: int, participants: int, deadline: float) -> None:
+    def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
         """CAS joinable -> frozen with ``participants`` members (ephemeral until final)."""
-        frozen = _encode({"status": FROZEN, "version": version, "participants": participants})
+        frozen = _encode(_round_record(FROZEN, version, rid, participants=participants))
         while time.monotonic() < deadline:
             entry, state = self._read_state()
-            if entry is None or state is None or state.get("version") != version or state["status"] != JOINABLE:
+            if entry is None or state is None or not _same_round(state, version, rid) or state["status"] != JOINABLE:
                 return
             try:
                 self.kv.compare_and_swap(self._state_key, frozen, entry.revision, ttl=self.params.keep_alive_ttl)
@@ -391,13 +424,13 @@ class Rendezvous:
             except (CompareFailed, KeyNotFound):
                 continue
 
-    def _last_call(self, version: int, deadline: float) -> None:
+    def _last_call(self, version: int, rid: str | None, deadline: float) -> None:
         """Own the last call: keep the round alive by TTL, freeze at the end (after handle_join_last_call)."""
         p = self.params
         ttl = p.keep_alive_ttl
         while time.monotonic() < deadline:  # mark the round as having a last-call owner, ephemeral from now on
             entry, state = self._read_state()
-            if entry is None or state is None or state["status"] != JOINABLE or state["version"] != version:
+            if entry is None or state is None or state["status"] != JOINABLE or not _same_round(state, version, rid):
                 return
             try:
                 marked = {**state, "last_call": self.node_id}
@@ -411,12 +444,12 @@ class Rendezvous:
         log.info("run %s: round %d reached min_nodes; last call for %.1f s", self.run_id, version, p.last_call_timeout)
         while True:
             entry, state = self._read_state()
-            if entry is None or state is None or state["status"] != JOINABLE or state["version"] != version:
+            if entry is None or state is None or state["status"] != JOINABLE or not _same_round(state, version, rid):
                 return
             now = time.monotonic()
             if now >= end:
                 joined = self._counter(self._vkey(version, "joined"))
-                self._freeze(version, min(joined, p.max_nodes or joined), deadline)  # type: ignore[type-var]
+                self._freeze(version, rid, min(joined, p.max_nodes or joined), deadline)  # type: ignore[type-var]
                 return
             try:
                 self.kv.refresh(self._state_key, ttl)
@@ -425,7 +458,9 @@ class Rendezvous:
             self._progress("last-call", version, self._counter(self._vkey(version, "joined")), deadline)
             wait_for_change(self.kv, self._state_dir, entry.revision, min(now + ttl / 3, end))
 
-    def _wait_until_not_joinable(self, version: int, deadline: float) -> tuple[Entry, dict[str, Any]]:
+    def _wait_until_not_joinable(
+        self, version: int, rid: str | None, deadline: float
+    ) -> tuple[Entry, dict[str, Any]]:
         """Wait for the round to leave ``joinable``; destroy it if its last call stalled."""
         ttl = self.params.keep_alive_ttl
         stalled_at: int | None = None
@@ -433,7 +468,7 @@ class Rendezvous:
             entry, state = self._read_state()
             if entry is None or state is None:
                 raise _Retry(f"round {version} expired before it froze")
-            if state["status"] != JOINABLE or state["version"] != version:
+            if state["status"] != JOINABLE or not _same_round(state, version, rid):
                 return entry, state
             joined = self._counter(self._vkey(version, "joined"))
             self._progress("joining", version, joined, deadline)
@@ -450,7 +485,7 @@ class Rendezvous:
                 raise _Retry("deadline")
             wait_for_change(self.kv, self._state_dir, entry.revision, min(time.monotonic() + 2 * ttl, deadline))
 
-    def _confirm(self, version: int, rank: int, world: int, deadline: float) -> RoundResult:
+    def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> RoundResult:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final.
 
         After the seed's ``confirm_phase``. Each confirmer refreshes the frozen record's
@@ -458,10 +493,12 @@ class Rendezvous:
         """
         ttl = self.params.keep_alive_ttl
         alive_key = self._vkey(version, "alive", f"rank_{rank}")
-        info = {"rank": rank, "node": self.node_id, "host": socket.gethostname()}
+        info = {"rank": rank, "node": self.node_id, "host": socket.gethostname(), "since": round(time.time(), 3)}
         self.kv.put(alive_key, _encode(info), ttl=ttl)
         self._alive_key = alive_key
-        self._keepalive = KeepAlive(self.kv, alive_key, ttl, name=f"rdzv-keepalive-{self.run_id}-v{version}")
+        self._keepalive = KeepAlive(
+            self.kv, alive_key, ttl, value=_encode(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
+        )
         try:
             self.kv.refresh(self._state_key, ttl)
         except KeyNotFound:
@@ -469,9 +506,9 @@ class Rendezvous:
         if self._add(self._vkey(version, "confirmed")) == world:
             while time.monotonic() < deadline:
                 entry, state = self._read_state()
-                if entry is None or state is None or state["status"] != FROZEN or state["version"] != version:
+                if entry is None or state is None or state["status"] != FROZEN or not _same_round(state, version, rid):
                     break
-                final = _encode({"status": FINAL, "version": version, "participants": world})
+                final = _encode(_round_record(FINAL, version, rid, participants=world))
                 try:
                     self.kv.compare_and_swap(self._state_key, final, entry.revision)
                     break
@@ -479,13 +516,13 @@ class Rendezvous:
                     continue
         while True:
             entry, state = self._read_state()
-            if entry is None or state is None or state.get("version") != version or state["status"] not in (
+            if entry is None or state is None or not _same_round(state, version, rid) or state["status"] not in (
                 FROZEN,
                 FINAL,
             ):
                 raise _Retry(f"round {version} ended before it became final")
             if state["status"] == FINAL:
-                return RoundResult(version, rank, world)
+                return RoundResult(version, rank, world, rid or "")
             self._progress("confirming", version, world, deadline)
             if not wait_for_change(self.kv, self._state_dir, entry.revision, deadline):
                 raise _Retry("deadline")
@@ -543,16 +580,14 @@ class Rendezvous:
             return 0
         try:
             return parse_counter(key, entry.value)
-        except KVError as exc:
+        except CorruptEntry as exc:
             raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
 
     def _add(self, key: str) -> int:
         """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
         try:
             return self.kv.add(key, 1)
-        except KVError as exc:
-            if type(exc) is not KVError:  # only the plain KVError means "the value is not a counter"
-                raise
+        except CorruptEntry as exc:
             raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
 
     def _vkey(self, version: int, *parts: str) -> str:
@@ -580,6 +615,32 @@ class Rendezvous:
             )
 
 
+def _member(entry: Entry) -> dict[str, Any]:
+    """A keep-alive record as plain data; a malformed one is reported, not raised (``rdzv status`` shows it)."""
+    try:
+        member = json.loads(entry.value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        member = None
+    if not isinstance(member, dict):
+        return {"key": entry.key, "corrupt": repr(entry.value[:60])}
+    return {"key": entry.key, **member}
+
+
+def _round_record(status: str, version: int, rid: str | None, participants: int | None = None) -> dict[str, Any]:
+    """A round record: ``status``, ``version``, the round's random ``id`` (if known), ``participants``."""
+    record: dict[str, Any] = {"status": status, "version": version}
+    if rid is not None:
+        record["id"] = rid
+    if participants is not None:
+        record["participants"] = participants
+    return record
+
+
+def _same_round(state: dict[str, Any], version: int, rid: str | None) -> bool:
+    """Whether the record ``state`` is the round ``(version, rid)`` (``rid`` ``None``: a record without id)."""
+    return state.get("version") == version and state.get("id") == rid
+
+
 def _encode(state: dict[str, Any]) -> bytes:
     return json.dumps(state, sort_keys=True).encode("utf-8")
 
@@ -601,6 +662,10 @@ def _decode_state(entry: Entry) -> dict[str, Any]:
         raise RendezvousStateError(f"round record at {entry.key!r} has no valid 'status': {state!r:.120}", entry.key)
     if state["status"] != SETUP:
         _int_field(state, "version", entry.key)
+    rid = state.get("id")
+    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= 64):
+        raise RendezvousStateError(f"round record at {entry.key!r}: 'id' must be a short string, got {rid!r:.80}",
+                                   entry.key)
     if state["status"] in (FROZEN, FINAL):
         _int_field(state, "participants", entry.key)
     return state

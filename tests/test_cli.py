@@ -54,3 +54,29 @@ def test_errors_are_one_line_with_exit_code(args: tuple[str, ...], code: int) ->
     out = _rdzv(*args)
     assert out.returncode == code
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_status_and_reset_survive_corrupt_state(tmp_path) -> None:
+    """Garbage written straight into a run: ``status`` reports it (exit 1 for a corrupt counter, naming the key and
+    ``rdzv reset``), ``reset`` deletes it, and the run id then forms a round again."""
+    run_id = f"job{uuid.uuid4().hex[:6]}"
+    url = f"file://{tmp_path}/{run_id}"
+    kv = open_backend(f"file://{tmp_path}/")
+    member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30))
+    result = member.next_round()
+    member.leave()
+    root = f"torchelastic/p2p/run_{run_id}/v_{result.version}"
+    kv.put(root + "/alive/rank_0", b"\xffnot json")
+    status = json.loads(_rdzv("status", url, "--json").stdout)
+    assert [m["key"] for m in status["alive"]] == [root + "/alive/rank_0"] and "corrupt" in status["alive"][0]
+    assert _rdzv("status", url).returncode == 0
+    kv.put(root + "/joined", b"many")
+    out = _rdzv("status", url)
+    assert out.returncode == 1
+    assert root + "/joined" in out.stderr and "rdzv reset" in out.stderr
+    assert _rdzv("reset", url, "--yes").returncode == 0
+    assert json.loads(_rdzv("status", url, "--json").stdout)["status"] == "absent"
+    again = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30))
+    assert (again.next_round().world_size, again.current is not None) == (1, True)
+    again.leave()
+    kv.close()

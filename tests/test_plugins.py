@@ -84,3 +84,16 @@ def test_no_logging_handlers_installed() -> None:
 
     for name in ("rdzv_core", "rdzv_core.rendezvous", "rdzv_core.plugins", "rdzv_backends"):
         assert logging.getLogger(name).handlers == []
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1/team-a/job", "etcd-v3://127.0.0.1/a/b/job",
+                                 "etcd://127.0.0.1/x/job", "memory://ks/team/job"])
+def test_a_path_before_the_run_id_is_refused_unless_the_backend_uses_it(url: str) -> None:
+    """``/team-a/job`` and ``/team-b/job`` must never silently name one run (only file:// reads the path)."""
+    from rdzv_core import InvalidURLError, parse_backend_url
+
+    with pytest.raises(InvalidURLError) as info:
+        parse_backend_url(url)
+    assert info.value.field == "path"
+    info2, parsed = parse_backend_url("file:///tmp/team-a/job")
+    assert (parsed.path, parsed.run_id) == ("tmp/team-a", "job")
