@@ -234,13 +234,10 @@ class Rendezvous:
                 try:
                     result = self._attempt(deadline)
                     self.current = result
-                    log.info(
-                        "run %s round %d complete: rank %d of world size %d",
-                        self.run_id, result.version, result.rank, result.world_size,
-                    )
+                    self._log(logging.INFO, "round complete: world size %d", result.world_size)
                     return result
                 except _Retry as retry:
-                    log.debug("run %s: retrying rendezvous: %s", self.run_id, retry)
+                    self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
                     self._stop_keepalive(delete=True)
                     if retry.delay:
                         backoff.sleep(deadline)
@@ -250,7 +247,7 @@ class Rendezvous:
                     ) from exc
                 except BackendUnavailable as exc:
                     last_error = exc
-                    log.warning("run %s: backend unavailable, retrying until the deadline: %s", self.run_id, exc)
+                    self._log(logging.WARNING, "backend unavailable, retrying until the deadline: %s", exc)
                     self._stop_keepalive(delete=False)
                     backoff.sleep(deadline)
             if last_error is not None:
@@ -277,7 +274,7 @@ class Rendezvous:
         ever make a closed run expire back into an open one.
         """
         self.kv.put(self._closed_key, b"closed")
-        log.info("run %s closed", self.run_id)
+        self._log(logging.INFO, "run closed")
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a round with this node in it (after the seed's ``num_nodes_waiting``).
@@ -380,7 +377,7 @@ class Rendezvous:
             entry = self.kv.compare_and_swap(self._state_key, _encode(state), setup.revision)
         except (CompareFailed, KeyNotFound):
             raise _Retry("setup record changed before it became joinable", delay=True) from None
-        log.info("run %s: created round %d", self.run_id, version)
+        self._log(logging.INFO, "created the round", version=version)
         return entry, state
 
     def _join(self, version: int, rid: str | None, deadline: float) -> RoundResult:
@@ -392,7 +389,7 @@ class Rendezvous:
         """
         p = self.params
         ticket = self._add(self._vkey(version, "joined"))
-        log.info("run %s: joined round %d with ticket %d", self.run_id, version, ticket)
+        self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
         if ticket == p.max_nodes:
             self._freeze(version, rid, p.max_nodes, deadline)
         elif ticket == p.min_nodes:
@@ -419,7 +416,7 @@ class Rendezvous:
                 return
             try:
                 self.kv.compare_and_swap(self._state_key, frozen, entry.revision, ttl=self.params.keep_alive_ttl)
-                log.info("run %s: froze round %d with %d nodes", self.run_id, version, participants)
+                self._log(logging.INFO, "froze the round with %d nodes", participants, version=version)
                 return
             except (CompareFailed, KeyNotFound):
                 continue
@@ -441,7 +438,7 @@ class Rendezvous:
         else:
             raise _Retry("deadline")
         end = min(time.monotonic() + p.last_call_timeout, deadline)
-        log.info("run %s: round %d reached min_nodes; last call for %.1f s", self.run_id, version, p.last_call_timeout)
+        self._log(logging.INFO, "reached min_nodes; last call for %.1f s", p.last_call_timeout, version=version)
         while True:
             entry, state = self._read_state()
             if entry is None or state is None or state["status"] != JOINABLE or not _same_round(state, version, rid):
@@ -555,10 +552,30 @@ class Rendezvous:
                 return
 
     # -- helpers --------------------------------------------------------------
+    def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None:
+        """Log ``msg`` prefixed with ``run=RUN_ID version=V rank=R`` (``-`` where unknown).
+
+        The same three values go into the record's ``extra`` as ``rdzv_run_id``,
+        ``rdzv_version`` and ``rdzv_rank`` for structured handlers.
+        """
+        if not log.isEnabledFor(level):
+            return
+        current = self.current
+        if version is None and current is not None:
+            version = current.version
+        rank = current.rank if current is not None and current.version == version else None
+        extra = {"rdzv_run_id": self.run_id, "rdzv_version": version, "rdzv_rank": rank}
+        log.log(
+            level,
+            "run=%s version=%s rank=%s: " + msg,
+            self.run_id, "-" if version is None else version, "-" if rank is None else rank, *args,
+            extra=extra,
+        )
+
     def _destroy(self, entry: Entry, reason: str) -> None:
         try:
             self.kv.compare_and_delete(self._state_key, entry.revision)
-            log.info("run %s: destroyed round: %s", self.run_id, reason)
+            self._log(logging.INFO, "destroyed the round: %s", reason)
         except (CompareFailed, KeyNotFound):
             pass  # someone else changed it first
 
@@ -601,7 +618,7 @@ class Rendezvous:
             try:
                 self.kv.delete(self._alive_key)
             except (BackendUnavailable, BackendClosed) as exc:
-                log.warning("run %s: could not delete keep-alive key (it will lapse): %s", self.run_id, exc)
+                self._log(logging.WARNING, "could not delete the keep-alive key (it will lapse): %s", exc)
         self._alive_key = None
 
     def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:
