@@ -210,6 +210,23 @@ def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> Non
     assert [a.rdzv.num_nodes_waiting() for a in group] == [0, 0]
 
 
+def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_id) -> None:
+    """A round froze with 2 members that died before confirming (its record has no TTL).
+
+    Expected: nodes that arrive see no confirmation progress for keep_alive_ttl,
+    destroy the round and form a new one.
+    """
+    kv.put(f"torchelastic/p2p/run_{run_id}/counter/version", b"1")
+    kv.put(f"torchelastic/p2p/run_{run_id}/state/round",
+           b'{"status": "frozen", "version": 1, "participants": 2, "id": "dead"}')
+    t0 = time.monotonic()
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    results = _wait_all(group)
+    _assert_round(results, 2)
+    assert results[0].version == 2
+    assert time.monotonic() - t0 >= TTL  # waited out the stall, did not destroy at first sight
+
+
 def test_leaving_member_lets_others_reform_promptly(agents) -> None:
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
     r1 = _wait_all(group)

@@ -177,6 +177,20 @@ class _Backoff:
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
 
 
+class _Stall:
+    """How long (monotonic seconds) a round has shown one progress snapshot."""
+
+    def __init__(self) -> None:
+        self.snapshot: object = None
+        self.since = 0.0
+
+    def same_for(self, snapshot: object) -> float:
+        now = time.monotonic()
+        if snapshot != self.snapshot:
+            self.snapshot, self.since = snapshot, now
+        return now - self.since
+
+
 class Rendezvous:
     """One node's view of the rendezvous of one run over a :class:`KVBackend`.
 
@@ -208,6 +222,7 @@ class Rendezvous:
         self._keepalive: KeepAlive | None = None
         self._alive_key: str | None = None
         self._announced: set[int] = set()
+        self._stall = _Stall()
         self._lock = threading.Lock()
         self.current: RoundResult | None = None
 
@@ -360,8 +375,11 @@ class Rendezvous:
         if status == FINAL:
             self._wait_as_late_node(entry, state, deadline)
             raise _Retry("final round changed")
+        if status == FROZEN:
+            self._check_frozen_stall(entry, state)
         self._progress("setup" if status == SETUP else "waiting", state.get("version", 0), 0, deadline)
-        wait_for_change(self.kv, self._state_dir, entry.revision, deadline)
+        wait_for_change(self.kv, self._state_dir, entry.revision,
+                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline))
         raise _Retry(f"round was {status}")
 
     def _setup(self) -> tuple[Entry, dict[str, Any]]:
@@ -408,14 +426,19 @@ class Rendezvous:
         return self._confirm(version, rid, ticket - 1, world, deadline)
 
     def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
-        """CAS joinable -> frozen with ``participants`` members (ephemeral until final)."""
+        """CAS joinable -> frozen with ``participants`` members.
+
+        The frozen record has no TTL (the CAS removes the last call's): a round whose
+        confirmations stop is destroyed by :meth:`_check_frozen_stall` instead, which
+        saves every member a refresh of the record.
+        """
         frozen = _encode(_round_record(FROZEN, version, rid, participants=participants))
         while time.monotonic() < deadline:
             entry, state = self._read_state()
             if entry is None or state is None or not _same_round(state, version, rid) or state["status"] != JOINABLE:
                 return
             try:
-                self.kv.compare_and_swap(self._state_key, frozen, entry.revision, ttl=self.params.keep_alive_ttl)
+                self.kv.compare_and_swap(self._state_key, frozen, entry.revision)
                 self._log(logging.INFO, "froze the round with %d nodes", participants, version=version)
                 return
             except (CompareFailed, KeyNotFound):
@@ -485,8 +508,9 @@ class Rendezvous:
     def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> RoundResult:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final.
 
-        After the seed's ``confirm_phase``. Each confirmer refreshes the frozen record's
-        TTL *before* counting itself, so no refresh can follow the final CAS.
+        After the seed's ``confirm_phase``: two writes per member (its keep-alive key
+        and the ``confirmed`` counter). While waiting for the others, members destroy
+        the round if confirmations stall (:meth:`_check_frozen_stall`).
         """
         ttl = self.params.keep_alive_ttl
         alive_key = self._vkey(version, "alive", f"rank_{rank}")
@@ -496,10 +520,6 @@ class Rendezvous:
         self._keepalive = KeepAlive(
             self.kv, alive_key, ttl, value=_encode(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
         )
-        try:
-            self.kv.refresh(self._state_key, ttl)
-        except KeyNotFound:
-            raise _Retry(f"round {version} expired while frozen") from None
         if self._add(self._vkey(version, "confirmed")) == world:
             while time.monotonic() < deadline:
                 entry, state = self._read_state()
@@ -520,9 +540,31 @@ class Rendezvous:
                 raise _Retry(f"round {version} ended before it became final")
             if state["status"] == FINAL:
                 return RoundResult(version, rank, world, rid or "")
+            self._check_frozen_stall(entry, state)
             self._progress("confirming", version, world, deadline)
-            if not wait_for_change(self.kv, self._state_dir, entry.revision, deadline):
+            if time.monotonic() >= deadline:
                 raise _Retry("deadline")
+            wait_for_change(self.kv, self._state_dir, entry.revision, min(time.monotonic() + ttl / 3, deadline))
+
+    def _check_frozen_stall(self, entry: Entry, state: dict[str, Any]) -> None:
+        """Destroy a frozen round whose confirmations made no progress for ``keep_alive_ttl`` seconds.
+
+        A frozen record has no TTL; a member that died before confirming would
+        otherwise hold the round frozen for ever. Called (every ``keep_alive_ttl / 3``
+        seconds) by confirmed members and by late nodes while they wait, with the
+        time measured on this node's monotonic clock since it first saw this
+        (record revision, confirmation count) -- the seed's frozen-record TTL, which
+        every confirmation refreshed, measured without a write per member.
+
+        Raises:
+            _Retry: the round was destroyed (by this node or another).
+        """
+        version = state["version"]
+        confirmed = self._counter(self._vkey(version, "confirmed"))
+        if self._stall.same_for((entry.key, entry.revision, confirmed)) >= self.params.keep_alive_ttl:
+            self._destroy(entry, f"round {version} stalled while frozen: {confirmed} of "
+                                 f"{state.get('participants')} members confirmed")
+            raise _Retry("stalled frozen round destroyed")
 
     def _wait_as_late_node(self, entry: Entry, state: dict[str, Any], deadline: float) -> None:
         """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed.

@@ -28,7 +28,8 @@ join         holds ticket 1 of a joinable round          the round freezes with 
              (below min_nodes)                           frozen record's TTL; a new round
 last_call    owns the last call (record marked, TTL),    the marked record's TTL (or a frozen
              no refresh since                            round with V in it); a new round
-confirm      member of the frozen round, not confirmed   the frozen record's TTL; a new round
+confirm      member of the frozen round, not confirmed   no confirmation for a TTL (the frozen
+                                                         record has no TTL); a new round
 final        member of the final round (keep-alive key)  nothing: they re-rendezvous at once,
                                                          find the round no longer whole and
                                                          destroy it; a new round
@@ -72,19 +73,6 @@ START = 60.0  #: seconds for the agent processes to start and reach their phase 
 
 PHASES = ("setup", "join", "last_call", "confirm", "final")
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
-
-#: Core bug found by this matrix (reproduced deterministically, strict xfail, by
-#: ``test_confirming_member_survives_the_round_being_replaced`` below). Until it is fixed, a
-#: survivor of the join/last_call/confirm phases sometimes dies with it; the matrix then
-#: reports XFAIL with this reason instead of failing (any other failure still fails).
-CONFIRM_KEYERROR = (
-    "rdzv_core/rendezvous.py Rendezvous._confirm: its wait loop evaluates state['version'] before "
-    "state['status']; when the frozen round lapses and another survivor has already written the next "
-    "setup record ({'status': 'setup'}), or the run was closed ({'status': 'closed'}), there is no "
-    "'version' and next_round dies with KeyError instead of retrying. Fix: state.get('version')"
-)
-_CONFIRM_KEYERROR_SIGNATURE = "KeyError: 'version'"
-
 
 def recovery_bound(ttl_resolution: float) -> float:
     """Seconds from V stopping to the survivors' new round: TTL + last call + ``ttl_resolution`` + margin."""

@@ -131,30 +131,30 @@ class StoppingRendezvous(Rendezvous):
         finally:
             self.trapped.disarm()
 
-    def _join(self, version: int, deadline: float) -> Any:
+    def _join(self, version: int, rid: str | None, deadline: float) -> Any:
         self._version = version
         if self._armed("join"):
             below_min = lambda key, ticket: key.endswith("/joined") and ticket < self.params.min_nodes  # noqa: E731
             self.trapped.arm("add", below_min)
         try:
-            return super()._join(version, deadline)
+            return super()._join(version, rid, deadline)
         finally:
             self.trapped.disarm()
 
-    def _last_call(self, version: int, deadline: float) -> None:
+    def _last_call(self, version: int, rid: str | None, deadline: float) -> None:
         self.trapped.disarm()
         if self._armed("last_call"):  # the first refresh follows the marking compare-and-swap
             self.trapped.arm("refresh", lambda key, _: key == self._state_key, before=True)
         try:
-            super()._last_call(version, deadline)
+            super()._last_call(version, rid, deadline)
         finally:
             self.trapped.disarm()
 
-    def _confirm(self, version: int, rank: int, world: int, deadline: float) -> Any:
+    def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> Any:
         self.trapped.disarm()
         if self._armed("confirm"):
             self._block()
-        return super()._confirm(version, rank, world, deadline)
+        return super()._confirm(version, rid, rank, world, deadline)
 
 
 def _sigterm(signum: int, frame: Any) -> None:
