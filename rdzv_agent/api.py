@@ -74,6 +74,8 @@ class WorkerSpec:
             picks a free one each round and picks again if it is taken.
         local_addr: address this node publishes as ``MASTER_ADDR`` when it is
             group rank 0; ``None`` uses the host's fully qualified name.
+            Neither is used when the handler shares its store with the workers
+            (``use_agent_store``): then the store's address is the master endpoint.
 
     Raises:
         ConfigError: a field is invalid (the message names it and the value).
@@ -194,7 +196,9 @@ class WorkerGroup:
 
     ``store``, ``group_rank`` and ``group_world_size`` are set by each rendezvous
     (``None`` before the first); ``master_addr``/``master_port`` are those the
-    round's group rank 0 published.
+    round's group rank 0 published, or, when ``use_agent_store`` is True (the
+    handler shares its store with the workers, e.g. torch's static rendezvous),
+    the address of that store (the round's ``bootstrap_store_info``).
     """
 
     __slots__ = [
@@ -205,6 +209,7 @@ class WorkerGroup:
         "group_world_size",
         "master_addr",
         "master_port",
+        "use_agent_store",
         "state",
     ]
 
@@ -216,6 +221,7 @@ class WorkerGroup:
         self.group_world_size: int | None = None
         self.master_addr: str | None = None
         self.master_port: int | None = None
+        self.use_agent_store = False
         self.state = WorkerState.INIT
 
 

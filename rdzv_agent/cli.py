@@ -3,18 +3,45 @@
 ::
 
     rdzv-run [--nnodes MIN[:MAX]] [--nproc-per-node N]
-             (--rdzv URL | --rdzv-backend NAME --rdzv-endpoint HOST:PORT --rdzv-id ID | --standalone)
+             (--rdzv URL | --rdzv-backend NAME --rdzv-endpoint HOST:PORT --rdzv-id ID | --standalone
+              | [--rdzv-backend static] --node-rank R --master-addr A --master-port P)
              [--rdzv-conf k=v,...] [--max-restarts N] [--monitor-interval S] [--role NAME]
-             [--log-dir DIR] [--redirects V] [--tee V] [-m | --no-python] [--local-addr A]
-             [--log-level L] SCRIPT [ARGS...]
+             [--log-dir DIR] [--redirects V] [--tee V] [-m | --no-python | --run-path]
+             [--start-method M] [--local-addr A] [--log-level L] SCRIPT [ARGS...]
 
-Every option with a dash also has torchrun's underscore spelling
-(``--nproc_per_node``). The URL may also come from the environment variable
-``RDZV_URL`` (keeps a password off the command line and out of ``ps``).
+``python -m rdzv_agent`` is the same command. Every option with a dash also has
+torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
+from the environment variable ``RDZV_URL`` (keeps a password off the command
+line and out of ``ps``).
 
 :func:`build_config` turns the arguments into a :class:`LaunchConfig`: the final
 rendezvous URL (``--nnodes`` and ``--rdzv-conf`` merged into its query,
-overriding the same keys there) and the worker command.
+overriding the same keys there) and the worker command. ``--rdzv-backend``,
+``--rdzv-endpoint`` and ``--rdzv-id`` are checked and quoted before they become
+a URL, so none of them can add a query key or another path segment.
+
+torchrun's options without a rendezvous of their own, and what they do here:
+
+* ``--node-rank R``, ``--master-addr A``, ``--master-port P``: as in torchrun,
+  with the *static* rendezvous (``--rdzv-backend static``, or none of
+  ``--rdzv``/``--standalone``/``--rdzv-backend`` given: torchrun's default) the
+  node ranks are fixed, node rank 0's agent serves a TCP store at ``A:P`` and
+  the workers get ``MASTER_ADDR=A``/``MASTER_PORT=P`` and reuse that store
+  (``TORCHELASTIC_USE_AGENT_STORE=True``). A static job of one node without a
+  port runs like ``--standalone`` (torchrun does the same). With an elastic
+  rendezvous, ``--master-port`` is the ``MASTER_PORT`` the workers get (group
+  rank 0 binds it; no new port is picked if it is taken), and ``--master-addr``
+  the ``MASTER_ADDR`` they get, on a one-node job only (in a multi-node job
+  group rank 0 changes between rounds and publishes its own address:
+  ``--local-addr``). ``--node-rank`` is refused there unless it is the only
+  possible one (0 of 1 node): an elastic rendezvous assigns node ranks.
+* ``--start-method spawn|fork|forkserver``: accepted; it changes nothing,
+  because the workers are always new processes (``fork`` + ``exec`` of the
+  program, in their own session), which is also what torchrun does for a
+  script, a module (``-m``) or an executable (``--no-python``).
+* ``--run-path``: each worker is a new Python that runs SCRIPT with
+  ``runpy.run_path(SCRIPT, run_name="__main__")`` (torchrun runs it that way in
+  a process of its own, too).
 """
 
 from __future__ import annotations
@@ -22,21 +49,23 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import sys
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
-from rdzv_core.errors import ConfigError
-from rdzv_core.url import QUERY_ALIASES
+from rdzv_core.errors import ConfigError, InvalidURLError
+from rdzv_core.url import QUERY_ALIASES, parse_url, validate_run_id
 
 from .api import DEFAULT_ROLE
 from .streams import Std, parse_std
 
 __all__ = [
-    "LaunchConfig", "build_parser", "parse_args", "build_config", "merge_query", "strip_rdzv_options", "URL_ENV",
+    "LaunchConfig", "StaticRendezvous", "build_parser", "parse_args", "build_config", "merge_query", "backend_url",
+    "strip_rdzv_options", "URL_ENV", "START_METHODS",
 ]
 
 #: Environment variable that may hold the rendezvous URL (instead of ``--rdzv``).
@@ -44,14 +73,63 @@ URL_ENV = "RDZV_URL"
 
 DEFAULT_MONITOR_INTERVAL = 0.5
 
+#: torchrun's ``--start-method`` values (all mean the same here: see the module docstring).
+START_METHODS = ("spawn", "fork", "forkserver")
+
+#: torchrun's defaults for the static rendezvous.
+STATIC_BACKEND = "static"
+STATIC_DEFAULT_ADDR = "127.0.0.1"
+STATIC_DEFAULT_PORT = 29500
+STATIC_DEFAULT_RUN_ID = "none"
+STATIC_DEFAULT_TIMEOUT = 600
+
+#: What a worker started with ``--run-path`` runs: ``python -u -c CODE SCRIPT ARGS...``.
+RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+
+_SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*")
+_HOSTS = re.compile(r"[A-Za-z0-9_.\-:,\[\]]+")
+
+
+@dataclass(frozen=True)
+class StaticRendezvous:
+    """torchrun's static rendezvous: fixed node ranks, a TCP store on node rank 0's agent.
+
+    Attributes:
+        master_addr, master_port: the store's address (node rank 0 listens there);
+            also the workers' ``MASTER_ADDR``/``MASTER_PORT``.
+        node_rank: this node's rank, ``0 <= node_rank < nnodes``.
+        nnodes: the fixed number of nodes.
+        run_id: the run id (torchrun's default ``"none"``).
+        timeout: seconds to wait for every node's agent to connect (int > 0).
+    """
+
+    master_addr: str
+    master_port: int
+    node_rank: int
+    nnodes: int
+    run_id: str = STATIC_DEFAULT_RUN_ID
+    timeout: int = STATIC_DEFAULT_TIMEOUT
+
+    def describe(self) -> str:
+        """``static://ADDR:PORT/RUN_ID`` (for messages; not an openable URL)."""
+        host = f"[{self.master_addr}]" if ":" in self.master_addr else self.master_addr
+        return f"static://{host}:{self.master_port}/{self.run_id}"
+
 
 @dataclass
 class LaunchConfig:
     """Everything the launcher needs, validated.
 
     Attributes:
-        url: the rendezvous URL to open (may hold a password: never print it).
+        url: the rendezvous URL to open (may hold a password: never print it);
+            ``""`` for the static rendezvous.
+        static: the static rendezvous (``--rdzv-backend static``), else ``None``.
         min_nodes, max_nodes: from ``--nnodes`` (``None`` when the URL decides).
+        master_addr: ``MASTER_ADDR`` for the workers (``--master-addr``, one-node
+            elastic jobs), else ``None`` (group rank 0 publishes its address).
+        master_port: ``MASTER_PORT`` for the workers (``--master-port``), else
+            ``None`` (group rank 0 picks a free port each round).
+        start_method: ``--start-method`` as given (it changes nothing).
         nproc_per_node: workers on this node.
         program, program_args: the worker command ``[program, *program_args]``.
         standalone: ``--standalone``: the launcher creates (and removes) a
@@ -74,6 +152,10 @@ class LaunchConfig:
     redirects: Std | dict[int, Std] = Std.NONE
     tee: Std | dict[int, Std] = Std.NONE
     local_addr: str | None = None
+    static: StaticRendezvous | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    start_method: str = "spawn"
 
 
 def _nnodes(text: str) -> tuple[int, int]:
@@ -107,6 +189,16 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text!r}") from None
+    if not 0 < value < 65536:
+        raise argparse.ArgumentTypeError(f"expected a TCP port 1..65535, got {text!r}")
     return value
 
 
@@ -168,6 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams to log files and the console (same values as --redirects)")
     opt("--module", "-m", action="store_true", help="run SCRIPT as a Python module (python -m)")
     opt("--no-python", action="store_true", help="run SCRIPT as an executable, not with Python")
+    opt("--run-path", action="store_true",
+        help="run SCRIPT with runpy.run_path(SCRIPT, run_name='__main__') in each worker's Python")
+    opt("--start-method", default="spawn", choices=START_METHODS,
+        help="accepted for torchrun compatibility; changes nothing: workers are always new processes "
+             "(fork+exec of the program), as torchrun does for a script, module or executable")
+    opt("--node-rank", type=_non_negative_int, default=None, metavar="R",
+        help="this node's rank, with the static rendezvous (--rdzv-backend static, torchrun's default)")
+    opt("--master-addr", default=None, metavar="ADDR",
+        help=f"static rendezvous: node rank 0's address (default {STATIC_DEFAULT_ADDR}); "
+             "elastic one-node job: the workers' MASTER_ADDR")
+    opt("--master-port", type=_port, default=None, metavar="PORT",
+        help=f"static rendezvous: node rank 0's store port (default {STATIC_DEFAULT_PORT}); "
+             "elastic: the workers' MASTER_PORT (default: a free port each round)")
     opt("--local-addr", default=None, metavar="ADDR", help="address to publish as MASTER_ADDR (default: FQDN)")
     opt("--log-level", default=None, metavar="LEVEL", help="launcher log level (default: env LOGLEVEL or WARNING)")
     p.add_argument("script", metavar="SCRIPT", help="training script, module (-m) or executable (--no-python)")
@@ -199,65 +304,224 @@ def _rdzv_conf(text: str | None) -> dict[str, str]:
             continue
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError("rdzv_conf", item, "expected KEY=VALUE")
+            raise ConfigError("--rdzv-conf", item, "expected KEY=VALUE")
         conf[key.strip()] = value.strip()
     return conf
 
 
-def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None) -> LaunchConfig:
-    """Validate the parsed arguments and build the :class:`LaunchConfig`.
+def backend_url(backend: str, endpoint: str, run_id: str) -> str:
+    """``BACKEND://ENDPOINT/RUN_ID`` from ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``.
+
+    Nothing in the three values can add a query key, a fragment, credentials
+    or a path segment: the backend must be a scheme name, the run id must pass
+    :func:`rdzv_core.url.validate_run_id` (so ``%``, ``?``, ``/`` are refused
+    rather than decoded), and ``endpoint`` is ``HOST[:PORT][,HOST[:PORT]...]``
+    optionally followed by a directory (``/tmp/rdzv`` for ``file://``), whose
+    segments are percent-quoted so that parsing the URL gives back exactly that
+    directory. The result is parsed once more to prove it.
 
     Raises:
-        ConfigError: conflicting or missing options (names the option and value).
+        ConfigError: naming ``--rdzv-backend``, ``--rdzv-endpoint`` or ``--rdzv-id`` and the value.
     """
-    environ = dict(os.environ if environ is None else environ)
-    url_arg = args.rdzv or None
+    if not _SCHEME.fullmatch(backend):
+        raise ConfigError("--rdzv-backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
+    try:
+        validate_run_id(run_id)
+    except InvalidURLError as exc:
+        raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+    if not endpoint or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in endpoint):
+        raise ConfigError("--rdzv-endpoint", endpoint, "empty, or contains whitespace or control characters")
+    hosts, _, directory = endpoint.partition("/")
+    if hosts and not _HOSTS.fullmatch(hosts):
+        raise ConfigError("--rdzv-endpoint", endpoint, "expected HOST[:PORT][,HOST[:PORT]...] and/or a directory; "
+                          "credentials and query keys go in --rdzv URL (or RDZV_URL) and --rdzv-conf")
+    segments = [seg for seg in directory.split("/") if seg]
+    if any(seg in (".", "..") for seg in segments):
+        raise ConfigError("--rdzv-endpoint", endpoint, "'.' and '..' are not allowed in the directory")
+    url = f"{backend}://{hosts}/" + "".join(urllib.parse.quote(seg, safe="") + "/" for seg in segments) + run_id
+    try:
+        parsed = parse_url(url)
+    except InvalidURLError as exc:
+        raise ConfigError("--rdzv-endpoint", endpoint, f"{exc.field}: {exc.reason}") from None
+    if (parsed.run_id, parsed.path, dict(parsed.params), parsed.username) != (run_id, "/".join(segments), {}, None):
+        raise ConfigError("--rdzv-endpoint", endpoint, "does not give a URL with exactly this endpoint and run id")
+    return url
+
+
+def _mode(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:
+    """Which rendezvous the options ask for: ``(mode, url)``.
+
+    ``mode`` is ``"standalone"``, ``"url"`` (``--rdzv`` or ``RDZV_URL``; ``url`` is
+    set), ``"backend"`` (``--rdzv-backend`` with endpoint and id) or ``"static"``.
+    """
     parts = [args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id]
-    modes = [name for name, used in (("--standalone", args.standalone), ("--rdzv", url_arg is not None),
+    modes = [name for name, used in (("--standalone", args.standalone), ("--rdzv", args.rdzv is not None),
                                      ("--rdzv-backend", any(x is not None for x in parts))) if used]
     if len(modes) > 1:
         raise ConfigError("rendezvous", " and ".join(modes), "give only one of --rdzv, --rdzv-backend/"
                           "--rdzv-endpoint/--rdzv-id and --standalone")
-    if not modes and environ.get(URL_ENV):
-        url_arg, modes = environ[URL_ENV], ["--rdzv"]
-    if not modes:
-        raise ConfigError("rendezvous", None, f"give --rdzv URL (or env {URL_ENV}), --rdzv-backend/"
-                          "--rdzv-endpoint/--rdzv-id, or --standalone")
+    if modes == ["--standalone"]:
+        return "standalone", None
+    if modes == ["--rdzv"]:
+        if not args.rdzv:
+            raise ConfigError("--rdzv", args.rdzv, "empty URL")
+        return "url", str(args.rdzv)
+    if modes == ["--rdzv-backend"]:
+        return ("static" if args.rdzv_backend == STATIC_BACKEND else "backend"), None
+    if environ.get(URL_ENV):
+        return "url", environ[URL_ENV]
+    if any(x is not None for x in (args.node_rank, args.master_addr, args.master_port)):
+        return "static", None  # torchrun's default backend
+    raise ConfigError("rendezvous", None, f"give --rdzv URL (or env {URL_ENV}), --rdzv-backend/--rdzv-endpoint/"
+                      "--rdzv-id, --standalone, or --node-rank/--master-addr/--master-port (static)")
 
+
+def _host(option: str, text: str) -> str:
+    """A host name or address (IPv6 brackets removed), or ConfigError naming ``option``."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if not host or not re.fullmatch(r"[A-Za-z0-9_.\-:]+", host):
+        raise ConfigError(option, text, "not a host name or address")
+    return host
+
+
+def _static(args: argparse.Namespace) -> StaticRendezvous | None:
+    """The static rendezvous of the options; ``None`` for a one-node job without a port (runs standalone).
+
+    Raises:
+        ConfigError: naming the option and value.
+    """
+    lo, hi = args.nnodes if args.nnodes is not None else (1, 1)
+    if lo != hi:
+        raise ConfigError("--nnodes", f"{lo}:{hi}", "the static rendezvous needs a fixed number of nodes "
+                          "(an elastic MIN:MAX needs --rdzv or --rdzv-backend with a backend)")
+    node_rank = args.node_rank if args.node_rank is not None else 0
+    if node_rank >= hi:
+        raise ConfigError("--node-rank", node_rank, f"must be less than --nnodes ({hi})")
+    if hi == 1 and args.master_port is None and args.rdzv_endpoint is None:
+        return None  # torchrun: a one-node static job without a port runs as standalone
+    if args.local_addr is not None:
+        raise ConfigError("--local-addr", args.local_addr, "not used by the static rendezvous: node rank 0 "
+                          "serves at --master-addr, which is also the workers' MASTER_ADDR")
+    run_id = args.rdzv_id if args.rdzv_id is not None else STATIC_DEFAULT_RUN_ID
+    try:
+        validate_run_id(run_id)
+    except InvalidURLError as exc:
+        raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+    timeout = STATIC_DEFAULT_TIMEOUT
+    for key, value in _rdzv_conf(args.rdzv_conf).items():
+        if key not in ("timeout", "join_timeout"):
+            raise ConfigError("--rdzv-conf", f"{key}={value}", "the static rendezvous understands only timeout=SECONDS")
+        if not value.isdigit() or int(value) < 1:
+            raise ConfigError("--rdzv-conf", f"{key}={value}", "expected a whole number of seconds >= 1")
+        timeout = int(value)
+    if args.rdzv_endpoint is not None:
+        if args.master_addr is not None or args.master_port is not None:
+            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint,
+                              "give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port")
+        try:
+            parsed = parse_url(f"tcp://{args.rdzv_endpoint}/{run_id}")
+        except InvalidURLError as exc:
+            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint, f"{exc.field}: {exc.reason}") from None
+        if len(parsed.hosts) != 1 or parsed.hosts[0][1] is None or parsed.path or parsed.params or parsed.username:
+            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint, "the static rendezvous needs one HOST:PORT")
+        addr, port = parsed.hosts[0]
+        return StaticRendezvous(addr, int(port), node_rank, hi, run_id, timeout)  # type: ignore[arg-type]
+    addr = _host("--master-addr", args.master_addr) if args.master_addr is not None else STATIC_DEFAULT_ADDR
+    port = args.master_port if args.master_port is not None else STATIC_DEFAULT_PORT
+    return StaticRendezvous(addr, port, node_rank, hi, run_id, timeout)
+
+
+def _elastic_url(args: argparse.Namespace, mode: str, url_arg: str | None) -> tuple[str, int | None, int | None]:
+    """The final URL of an elastic rendezvous, and ``(min_nodes, max_nodes)`` from ``--nnodes``."""
     min_nodes, max_nodes = args.nnodes if args.nnodes is not None else (None, None)
-    standalone = bool(args.standalone)
-    if standalone:
+    if mode == "standalone":
         if args.nnodes is not None and args.nnodes != (1, 1):
-            raise ConfigError("nnodes", f"{args.nnodes[0]}:{args.nnodes[1]}", "--standalone runs one node")
-        url = "file://{standalone_dir}/standalone-" + uuid.uuid4().hex[:12]
+            raise ConfigError("--nnodes", f"{args.nnodes[0]}:{args.nnodes[1]}", "--standalone runs one node")
+        run_id = args.rdzv_id  # set only when a one-node static job runs standalone
+        if run_id is None:
+            run_id = "standalone-" + uuid.uuid4().hex[:12]
+        try:
+            validate_run_id(run_id)
+        except InvalidURLError as exc:
+            raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+        url = "file://{standalone_dir}/" + run_id
         min_nodes = max_nodes = 1
-    elif modes == ["--rdzv"]:
+    elif mode == "url":
         url = str(url_arg)
     else:
-        for name, value in zip(("rdzv_backend", "rdzv_endpoint", "rdzv_id"), parts, strict=True):
+        for name, value in zip(("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"),
+                               (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id), strict=True):
             if not value:
                 raise ConfigError(name, value, "--rdzv-backend, --rdzv-endpoint and --rdzv-id go together")
-        url = f"{args.rdzv_backend}://{args.rdzv_endpoint.rstrip('/')}/{args.rdzv_id}"
+        url = backend_url(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
 
     url = merge_query(url, _rdzv_conf(args.rdzv_conf))
     if min_nodes is not None:
         url = merge_query(url, {"min_nodes": str(min_nodes), "max_nodes": str(max_nodes)})
     elif not _query_has(url, ("min_nodes", "max_nodes")):
         url = merge_query(url, {"min_nodes": "1", "max_nodes": "1"})  # torchrun's default --nnodes 1:1
+    return url, min_nodes, max_nodes
 
-    if args.module and args.no_python:
-        raise ConfigError("module", True, "-m and --no-python cannot be combined")
+
+def _check_elastic_master(args: argparse.Namespace, url: str) -> str | None:
+    """Check ``--node-rank``/``--master-addr`` against an elastic rendezvous; return the MASTER_ADDR to give.
+
+    Both only make sense when the job has one node (``max_nodes == 1``).
+    """
+    one_node = _query_value(url, "max_nodes") == "1"
+    if args.node_rank is not None and not (args.node_rank == 0 and one_node):
+        raise ConfigError("--node-rank", args.node_rank, "an elastic rendezvous assigns node ranks at each round; "
+                          "a fixed node rank needs the static rendezvous (--rdzv-backend static)")
+    if args.master_addr is None:
+        return None
+    if not one_node:
+        raise ConfigError("--master-addr", args.master_addr, "in a multi-node elastic job group rank 0 changes "
+                          "between rounds and publishes its own address (set it with --local-addr on each node), "
+                          "or use the static rendezvous (--rdzv-backend static)")
+    return _host("--master-addr", args.master_addr)
+
+
+def _worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
+    """``(program, program_args)`` for ``SCRIPT ARGS`` under ``-m``/``--no-python``/``--run-path``."""
+    chosen = [name for name, on in (("-m", args.module), ("--no-python", args.no_python),
+                                    ("--run-path", args.run_path)) if on]
+    if len(chosen) > 1:
+        raise ConfigError(chosen[0], True, f"{' and '.join(chosen)} cannot be combined")
     if args.no_python:
         program = args.script if os.sep in args.script else (shutil.which(args.script) or args.script)
         if not (os.path.isfile(program) and os.access(program, os.X_OK)):
             raise ConfigError("script", args.script, "not an executable file (--no-python)")
-        program_args = list(args.script_args)
-    elif args.module:
-        program, program_args = sys.executable, ["-u", "-m", args.script, *args.script_args]
+        return program, list(args.script_args)
+    if args.module:
+        return sys.executable, ["-u", "-m", args.script, *args.script_args]
+    if not os.path.isfile(args.script):
+        raise ConfigError("script", args.script, "no such file")
+    if args.run_path:  # torchrun wants an absolute path here; make it one
+        return sys.executable, ["-u", "-c", RUN_PATH_CODE, os.path.abspath(args.script), *args.script_args]
+    return sys.executable, ["-u", args.script, *args.script_args]
+
+
+def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> LaunchConfig:
+    """Validate the parsed arguments and build the :class:`LaunchConfig`.
+
+    Raises:
+        ConfigError: conflicting, missing or unsupported options (names the option and value).
+    """
+    mode, url_arg = _mode(args, os.environ if environ is None else environ)
+    static = _static(args) if mode == "static" else None
+    if mode == "static" and static is None:
+        mode = "standalone"
+    min_nodes: int | None
+    max_nodes: int | None
+    master_addr: str | None
+    master_port: int | None
+    if static is not None:
+        url, min_nodes, max_nodes = "", static.nnodes, static.nnodes
+        master_addr, master_port = static.master_addr, static.master_port
     else:
-        if not os.path.isfile(args.script):
-            raise ConfigError("script", args.script, "no such file")
-        program, program_args = sys.executable, ["-u", args.script, *args.script_args]
+        url, min_nodes, max_nodes = _elastic_url(args, mode, url_arg)
+        master_addr, master_port = _check_elastic_master(args, url), args.master_port
+    program, program_args = _worker_command(args)
 
     return LaunchConfig(
         url=url,
@@ -266,7 +530,7 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         nproc_per_node=args.nproc_per_node,
         program=program,
         program_args=program_args,
-        standalone=standalone,
+        standalone=mode == "standalone",
         role=args.role,
         max_restarts=args.max_restarts,
         monitor_interval=args.monitor_interval,
@@ -274,7 +538,20 @@ def build_config(args: argparse.Namespace, environ: dict[str, str] | None = None
         redirects=args.redirects,
         tee=args.tee,
         local_addr=args.local_addr,
+        static=static,
+        master_addr=master_addr,
+        master_port=master_port,
+        start_method=args.start_method,
     )
+
+
+def _query_value(url: str, key: str) -> str | None:
+    """The last value of query ``key`` (or an alias of it) in ``url``, or ``None``."""
+    found = None
+    for k, v in urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True):
+        if QUERY_ALIASES.get(k, k) == key:
+            found = v
+    return found
 
 
 def _query_has(url: str, keys: Sequence[str]) -> bool:
@@ -287,7 +564,9 @@ def _query_has(url: str, keys: Sequence[str]) -> bool:
 RDZV_OPTIONS = frozenset({
     "--rdzv", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend", "--rdzv_endpoint", "--rdzv_id",
 })
-_FLAGS = frozenset({"--standalone", "--module", "-m", "--no-python", "--no_python", "-h", "--help"})
+_FLAGS = frozenset({
+    "--standalone", "--module", "-m", "--no-python", "--no_python", "--run-path", "--run_path", "-h", "--help",
+})
 
 
 def strip_rdzv_options(argv: Sequence[str]) -> list[str]:

@@ -1,8 +1,14 @@
 """``rdzv-run``: torchrun's launcher over any ``rdzv`` backend.
 
 ``main()`` parses the options (:mod:`rdzv_agent.cli`), builds the handler with
-:func:`rdzv_core.create_handler`, runs a :class:`~rdzv_agent.local.LocalElasticAgent`
-and prints a one-screen summary (:mod:`rdzv_agent.report`).
+:func:`rdzv_core.create_handler` (or torch's static rendezvous for
+``--node-rank``/``--master-addr``/``--master-port``, :mod:`rdzv_agent.static`),
+runs a :class:`~rdzv_agent.local.LocalElasticAgent` and prints a one-screen
+summary (:mod:`rdzv_agent.report`). ``python -m rdzv_agent`` runs the same ``main()``.
+
+The workers die with the launcher: on Linux each gets SIGKILL from the kernel
+if the launcher process dies without stopping them (``kill -9``), see
+:mod:`rdzv_agent.process`.
 
 Exit status:
 
@@ -126,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         _configure_logging(args.log_level)
         config = cli.build_config(args)
-        if argv is None and not config.standalone:
+        if argv is None and not config.standalone and config.static is None:
             _reexec_without_password(raw_argv, config.url, rdzv_core.parse_backend_url(config.url)[1].password)
     except ValueError as exc:
         return _error(str(exc))
@@ -139,31 +145,56 @@ def main(argv: Sequence[str] | None = None) -> int:
             shutil.rmtree(standalone_dir, ignore_errors=True)
 
 
-def _launch(config: cli.LaunchConfig, url: str) -> int:
-    reporter = Reporter()
-    try:
-        _, parsed = rdzv_core.parse_backend_url(url)
-    except ValueError as exc:
-        return _error(str(exc))
+def _open_rendezvous(config: cli.LaunchConfig, url: str, reporter: Reporter) -> tuple[Any, str, dict[str, Any]]:
+    """The handler, the rendezvous as shown to a person, and the node counts/timeout shown.
+
+    Raises:
+        ValueError: a bad URL or option (exit status 2).
+        rdzv_core.RdzvError, RendezvousError: the backend cannot be opened (exit status 1).
+    """
+    if config.static is not None:
+        from .static import create_static_handler  # imports torch's static rendezvous only when used
+
+        static = config.static
+        shown: dict[str, Any] = {"min_nodes": static.nnodes, "max_nodes": static.nnodes, "timeout": static.timeout}
+        return create_static_handler(static), static.describe(), shown
+    _, parsed = rdzv_core.parse_backend_url(url)
     options: dict[str, Any] = {"on_progress": reporter.progress}
     if config.local_addr:
         options["local_addr"] = config.local_addr
     try:
         handler = rdzv_core.create_handler(url, **options)
+    except (rdzv_core.RdzvError, RendezvousError) as exc:
+        if isinstance(exc, ValueError):
+            raise
+        raise _OpenError(f"cannot open the rendezvous {parsed.redacted()}: {exc}") from exc
+    settings = getattr(handler, "params", None)
+    shown = {k: getattr(settings, k, None) or parsed.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
+    return handler, parsed.redacted(), shown
+
+
+class _OpenError(Exception):
+    """The backend could not be opened (the message is safe to show)."""
+
+
+def _launch(config: cli.LaunchConfig, url: str) -> int:
+    reporter = Reporter()
+    try:
+        handler, shown_url, shown = _open_rendezvous(config, url, reporter)
     except ValueError as exc:
         return _error(str(exc))
-    except (rdzv_core.RdzvError, RendezvousError) as exc:
-        reporter.say(f"cannot open the rendezvous {parsed.redacted()}: {exc}")
+    except _OpenError as exc:
+        reporter.say(str(exc))
         return EXIT_FAILURE
 
     try:
         spec = WorkerSpec(
             config.role, config.nproc_per_node, config.program, config.program_args, handler,
             max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
-            local_addr=config.local_addr,
+            # static: the workers reuse node rank 0's store, whose address the handler gives
+            master_port=config.master_port if config.static is None else None,
+            local_addr=(config.master_addr or config.local_addr) if config.static is None else None,
         )
-        settings = getattr(handler, "params", None)
-        shown = {k: getattr(settings, k, None) or parsed.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
 
         def listener(event: AgentEvent) -> None:
             if event.kind == "rendezvous":
@@ -174,17 +205,23 @@ def _launch(config: cli.LaunchConfig, url: str) -> int:
 
         agent = LocalElasticAgent(
             spec, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
-            env=worker_environment(os.environ, parsed.password), listener=listener,
+            env=worker_environment(os.environ, _password(config, url)), listener=listener,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         handler.shutdown()
         return _error(str(exc))
 
     summary = _run(agent, handler)
-    summary.run_id, summary.url = handler.get_run_id(), parsed.redacted()
+    summary.run_id, summary.url = handler.get_run_id(), shown_url
     sys.stderr.write(summary.render() + "\n")
     sys.stderr.flush()
     return summary.exit_code
+
+
+def _password(config: cli.LaunchConfig, url: str) -> str | None:
+    if config.static is not None:
+        return None
+    return rdzv_core.parse_backend_url(url)[1].password
 
 
 def _run(agent: LocalElasticAgent, handler: Any) -> Summary:

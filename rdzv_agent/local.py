@@ -17,6 +17,8 @@ environment variables:
 ``TORCHELASTIC_MAX_RESTARTS``  the spec's ``max_restarts``
 ``TORCHELASTIC_RUN_ID``        ``handler.get_run_id()``
 ``TORCHELASTIC_ERROR_FILE``    per worker; torch's ``@record`` writes the error there
+``TORCHELASTIC_USE_AGENT_STORE``  ``True`` if the handler shares its store with the
+                               workers (``use_agent_store``, e.g. static), else ``False``
 ``OMP_NUM_THREADS``            ``1`` if unset and more than one local worker
 ``PYTHONUNBUFFERED``           ``1``
 =============================  =====================================================
@@ -96,7 +98,6 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
         self._procs: dict[int, WorkerProcess] = {}
         self._global_ranks: dict[int, int] = {}
-        self._stopped_by_agent: set[int] = set()
         self._starts = 0
         self._exited = threading.Event()
 
@@ -110,9 +111,15 @@ class LocalElasticAgent(SimpleElasticAgent):
         return os.path.join(self._log_dir, f"attempt_{self._starts - 1}") if self._starts else None
 
     def worker_exit_codes(self) -> dict[int, tuple[int, int | None, bool]]:
-        """Latest workers: global rank -> (local rank, exit status or None, stopped by the agent)."""
+        """Latest workers: global rank -> (local rank, exit status or None, stopped by the agent).
+
+        "Stopped by the agent" means the worker died of the signal the agent sent
+        it (restart, re-rendezvous, shutdown); a worker that exited with its own
+        code or signal is not, even if the agent was stopping it at the time
+        (see :attr:`WorkerProcess.stopped_by_agent`).
+        """
         return {
-            self._global_ranks[lr]: (lr, proc.poll(), lr in self._stopped_by_agent)
+            self._global_ranks[lr]: (lr, proc.poll(), proc.stopped_by_agent)
             for lr, proc in sorted(self._procs.items())
         }
 
@@ -135,7 +142,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             TORCHELASTIC_RESTART_COUNT=str(self.restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
             TORCHELASTIC_RUN_ID=spec.rdzv_handler.get_run_id(),
-            TORCHELASTIC_USE_AGENT_STORE="False",
+            TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
             PYTHONUNBUFFERED="1",
         )
         if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in self._base_env:
@@ -152,7 +159,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         attempt_dir = os.path.join(self._log_dir, f"attempt_{self._starts}")
         self._starts += 1
         self._exited.clear()
-        self._procs, self._stopped_by_agent = {}, set()
+        self._procs = {}
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
         try:
@@ -174,8 +181,6 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
         """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period)."""
-        running = {lr for lr, proc in self._procs.items() if proc.poll() is None}
-        self._stopped_by_agent |= running
         stop_processes(list(self._procs.values()), sig, self._stop_grace)
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:

@@ -6,23 +6,76 @@ launcher, which forwards it, and stopping a worker reaches every process the
 worker started. :func:`stop_processes` sends the signal to each worker's
 process group and to every descendant found with psutil (which catches those
 that left the group), waits up to a grace period, then SIGKILLs what is left.
+
+If the agent itself dies without stopping its workers (``kill -9``, OOM
+killer), Linux delivers :data:`PARENT_DEATH_SIGNAL` (SIGKILL) to each worker:
+the child sets ``prctl(PR_SET_PDEATHSIG)`` between ``fork`` and ``exec``
+(``preexec_fn``), then checks that its parent is still the agent (the agent may
+have died before the ``prctl``). Two limits of ``PR_SET_PDEATHSIG``: it fires
+when the *thread* that started the worker exits (start workers from a thread
+that outlives them, e.g. the main thread, as ``rdzv-run`` does), and it reaches
+only the worker itself, not processes the worker started (those are the
+worker's to stop, as with torchrun). Elsewhere than Linux nothing is set.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import psutil
 
 from .streams import Std, StreamPump, error_excerpt, stderr_console, stdout_console
 
-__all__ = ["WorkerProcess", "stop_processes"]
+__all__ = ["WorkerProcess", "stop_processes", "PARENT_DEATH_SIGNAL"]
+
+#: Signal a worker gets when the agent process dies without stopping it (Linux only).
+PARENT_DEATH_SIGNAL = signal.SIGKILL
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+@functools.lru_cache(maxsize=1)
+def _prctl() -> Callable[..., int] | None:
+    """libc's ``prctl`` (Linux), or ``None`` where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
+    prctl.restype = ctypes.c_int
+    return prctl  # type: ignore[no-any-return]
+
+
+def _parent_death_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that makes the child die with the agent, or ``None`` off Linux.
+
+    ``prctl`` is looked up here, before ``fork``, so the child only makes the
+    system call and reads its parent pid (no imports, no locks).
+    """
+    prctl = _prctl()
+    if prctl is None:
+        return None
+    agent_pid = os.getpid()
+    death_signal = int(PARENT_DEATH_SIGNAL)
+
+    def set_parent_death_signal() -> None:
+        prctl(_PR_SET_PDEATHSIG, death_signal, 0, 0, 0)
+        if os.getppid() != agent_pid:  # the agent died before prctl: the signal will never come
+            os.kill(os.getpid(), death_signal)
+
+    return set_parent_death_signal
 
 
 class WorkerProcess:
@@ -77,6 +130,7 @@ class WorkerProcess:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
+                preexec_fn=_parent_death_hook(),
             )
         finally:
             if stdout_file is not None:
@@ -94,10 +148,23 @@ class WorkerProcess:
         if stdout_target is subprocess.PIPE and self.popen.stdout is not None and self.stdout_path:
             self._stdout = StreamPump(self.popen.stdout, self.stdout_path, stdout_console, prefix)
         self._tree: list[psutil.Process] = []
+        self._agent_signals: set[int] = set()
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or ``None`` while running."""
         return self.popen.poll()
+
+    @property
+    def stopped_by_agent(self) -> bool:
+        """True if the worker died of a signal that :meth:`send` delivered while it was running.
+
+        A worker that exited with its own status (an exit code, or a signal the
+        agent did not send) ended on its own, even if the agent was stopping it
+        at that moment: e.g. a rank that fails because its peer failed, at the
+        same time as the agent stops the group.
+        """
+        code = self.popen.poll()
+        return code is not None and code < 0 and -code in self._agent_signals
 
     @property
     def exited_at(self) -> float:
@@ -125,6 +192,7 @@ class WorkerProcess:
         """
         targets: list[psutil.Process] = []
         if self.popen.poll() is None:  # not reaped yet, so the pid is still our worker's
+            self._agent_signals.add(int(sig))
             try:
                 leader = psutil.Process(self.pid)
                 targets = [leader, *leader.children(recursive=True)]

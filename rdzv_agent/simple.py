@@ -10,7 +10,10 @@ The loop (the seed's ``SimpleElasticAgent.run``)::
                                does NOT spend a restart (membership change)
 
 Additions to the seed: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
-round's store (:mod:`rdzv_agent.master`). Setup trouble makes the agent
+round's store (:mod:`rdzv_agent.master`), unless the handler shares its own store
+with the workers (``use_agent_store``, e.g. torch's static rendezvous): then the
+workers get that store's address (``bootstrap_store_info``) and
+``TORCHELASTIC_USE_AGENT_STORE=True``, as with torch's agent. Setup trouble makes the agent
 re-rendezvous without spending a restart, at most :data:`MAX_SETUP_RETRIES` times
 per run: a worker that failed because the master port was taken (or rank 0 finds
 it taken just before starting), or a master endpoint that never appeared in the
@@ -81,6 +84,22 @@ class AgentEvent:
     kind: str
     role: str
     data: dict[str, Any] = field(default_factory=dict)
+
+
+def _bootstrap_endpoint(info: Any) -> tuple[str, int]:
+    """``(master_addr, master_port)`` of a round's ``bootstrap_store_info``.
+
+    Raises:
+        torch ``RendezvousStateError``: the handler gave no usable address.
+    """
+    boot = getattr(info, "bootstrap_store_info", None)
+    addr, port = getattr(boot, "master_addr", None), getattr(boot, "master_port", None)
+    if not isinstance(addr, str) or not addr or isinstance(port, bool) or not isinstance(port, int) \
+            or not 0 < port < 65536:
+        raise RendezvousStateError(
+            f"the handler shares its store (use_agent_store) but gave no usable address: {addr!r}:{port!r}"
+        )
+    return addr, port
 
 
 class SimpleElasticAgent(ElasticAgent):
@@ -176,14 +195,18 @@ class SimpleElasticAgent(ElasticAgent):
         worker_group.store = store
         worker_group.group_rank = group_rank
         worker_group.group_world_size = group_world_size
-        if group_rank == 0:
-            port = spec.master_port if spec.master_port is not None else master.choose_port()
-            master.publish(store, master.local_address(spec.local_addr), port)
         worker_group.master_addr = worker_group.master_port = None
-        try:
-            worker_group.master_addr, worker_group.master_port = master.read(store)
-        except DistError as exc:  # c10d stores raise DistStoreError when the wait times out
-            raise _NoMasterEndpoint(f"no master endpoint in the round's store: {exc}") from exc
+        worker_group.use_agent_store = bool(getattr(spec.rdzv_handler, "use_agent_store", False))
+        if worker_group.use_agent_store:  # the workers reuse the handler's store (torch's agent does the same)
+            worker_group.master_addr, worker_group.master_port = _bootstrap_endpoint(info)
+        else:
+            if group_rank == 0:
+                port = spec.master_port if spec.master_port is not None else master.choose_port()
+                master.publish(store, master.local_address(spec.local_addr), port)
+            try:
+                worker_group.master_addr, worker_group.master_port = master.read(store)
+            except DistError as exc:  # c10d stores raise DistStoreError when the wait times out
+                raise _NoMasterEndpoint(f"no master endpoint in the round's store: {exc}") from exc
 
         stride = spec.local_world_size
         world_size = group_world_size * stride
@@ -211,6 +234,7 @@ class SimpleElasticAgent(ElasticAgent):
         """On group rank 0 with a chosen port: has something taken it since?"""
         return (
             worker_group.group_rank == 0
+            and not worker_group.use_agent_store  # then the handler's own store holds the port
             and worker_group.spec.master_port is None
             and worker_group.master_port is not None
             and not master.port_is_free(worker_group.master_port)
@@ -324,7 +348,7 @@ class SimpleElasticAgent(ElasticAgent):
     def _handle_failure(self, group: WorkerGroup, result: MonitorResult) -> None:
         spec = group.spec
         failures = dict(result.exceptions)
-        port_conflict = spec.master_port is None and any(
+        port_conflict = spec.master_port is None and not group.use_agent_store and any(
             isinstance(exc, WorkerFailure) and exc.master_port_in_use for exc in failures.values()
         )
         if port_conflict and self._setup_retries_left > 0:

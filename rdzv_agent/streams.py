@@ -28,7 +28,7 @@ from typing import IO, Callable, Mapping
 
 from rdzv_core.errors import ConfigError
 
-__all__ = ["Std", "parse_std", "std_for_rank", "StreamPump", "error_excerpt"]
+__all__ = ["Std", "parse_std", "std_for_rank", "StreamPump", "error_excerpt", "strip_rank_prefix"]
 
 _VALUE = re.compile(r"^[0-3]$")
 _MAPPING = re.compile(r"^(\d+:[0-3],)*(\d+:[0-3])$")
@@ -151,27 +151,49 @@ class StreamPump:
         return list(self._tail)
 
 
+#: torch's ``init_process_group`` installs an excepthook that prefixes every line
+#: of an uncaught exception's traceback with ``[rankN]: `` (``distributed_c10d.py``).
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
+
+
+def strip_rank_prefix(line: str) -> str:
+    """``line`` without torch's ``[rankN]: `` prefix (unchanged if it has none)."""
+    return _RANK_PREFIX.sub("", line, count=1)
+
+
 def error_excerpt(lines: list[str], max_lines: int = 5) -> str:
     """The first lines of the error in a worker's stderr ``lines``.
 
     If a Python traceback is present, the exception lines after the last one's
     stack frames (``ValueError: boom``, plus continuation lines); otherwise the
-    last ``max_lines`` non-empty lines.
+    last ``max_lines`` non-empty lines. A traceback printed by torch's
+    excepthook carries a ``[rankN]: `` prefix on each line: the prefix is
+    removed, and only lines with that prefix belong to it (what follows without
+    it, e.g. a C++ warning at exit, is other output).
     """
     start = None
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last):"):
+        if strip_rank_prefix(lines[i]).startswith("Traceback (most recent call last):"):
             start = i
             break
     if start is not None:
+        prefix = _RANK_PREFIX.match(lines[start])
         body = lines[start + 1 :]
+        if prefix:
+            own = []
+            for ln in body:
+                if ln.strip() and not ln.startswith(prefix.group(0).rstrip()):
+                    break  # the hook writes blank lines without the prefix
+                own.append(ln)
+            body = own
+        body = [strip_rank_prefix(ln) for ln in body]
         k = 0
         while k < len(body) and (body[k].startswith((" ", "\t")) or not body[k].strip()):
             k += 1
         exc_lines = [ln for ln in body[k:] if ln.strip()]
         if exc_lines:
             return "\n".join(exc_lines[:max_lines])
-    non_empty = [ln for ln in lines if ln.strip()]
+    non_empty = [strip_rank_prefix(ln) for ln in lines if ln.strip()]
     return "\n".join(non_empty[-max_lines:])
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import socket
+import subprocess
 import sys
 
 import pytest
@@ -11,9 +13,10 @@ import pytest
 import rdzv_agent
 from rdzv_agent import cli, master
 from rdzv_agent.api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState, describe_exit
-from rdzv_agent.launcher import worker_environment
+from rdzv_agent.launcher import main, worker_environment
 from rdzv_agent.streams import Std, error_excerpt, parse_std, std_for_rank
 from rdzv_core.errors import ConfigError
+from rdzv_core.url import parse_url
 
 
 class _Handler:
@@ -135,6 +138,29 @@ def test_error_excerpt_takes_the_exception_of_the_last_traceback():
     assert error_excerpt(lines) == "RuntimeError: second\n  detail line"
 
 
+def test_error_excerpt_reads_tracebacks_with_torchs_rank_prefix():
+    """init_process_group's excepthook writes every traceback line as ``[rankN]: ...``."""
+    traceback = [
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "a.py", line 1, in <module>',
+        "[rank1]:     f()",
+        "[rank1]: KeyError: 'first'",
+        "",
+        "[rank1]: During handling of the above exception, another exception occurred:",
+        "",
+        "[rank1]: Traceback (most recent call last):",
+        '[rank1]:   File "a.py", line 3, in <module>',
+        "[rank1]:     raise RuntimeError('second')",
+        "[rank1]: RuntimeError: second",
+        "[rank1]:   detail line",
+        "",
+    ]
+    noise = [f"[W1130 03:00:0{i} ProcessGroupGloo.cpp:{i}] Warning: destroy_process_group() was not called"
+             for i in range(6)]
+    assert error_excerpt(["some warning", *traceback, *noise]) == "RuntimeError: second\n  detail line"
+    assert error_excerpt(["[rank12]: ValueError: no traceback"]) == "ValueError: no traceback"
+
+
 def test_error_excerpt_without_traceback_uses_the_last_lines():
     lines = [f"line {i}" for i in range(10)] + [""]
     assert error_excerpt(lines, max_lines=3) == "line 7\nline 8\nline 9"
@@ -203,6 +229,74 @@ def test_backend_endpoint_id_and_conf_build_the_url(script):
     assert c.url.startswith("file:///tmp/x/job?")
 
 
+@pytest.mark.parametrize("directory", ["/tmp/a%62", "/tmp/q?x=1", "/tmp/h#f", "/tmp/at@x", "/tmp/pct%2F"])
+def test_endpoint_directory_reaches_the_backend_exactly(script, directory):
+    c = config(["--rdzv-backend", "file", "--rdzv-endpoint", directory + "/", "--rdzv-id", "job", script])
+    parsed = parse_url(c.url)
+    assert (parsed.path, parsed.run_id) == (directory.strip("/"), "job")
+    assert set(parsed.params) == {"min_nodes", "max_nodes"}
+
+
+def test_backend_url_round_trips_hosts_and_run_id():
+    for endpoint in ("h:2379", "h1:1,h2:2", "[::1]:2379", "127.0.0.1"):
+        parsed = parse_url(cli.backend_url("etcd", endpoint, "a-b_c.d=e+f:g@h~i"))
+        assert parsed.run_id == "a-b_c.d=e+f:g@h~i" and not parsed.params and parsed.username is None
+
+
+def test_bad_run_id_exits_2_before_any_rendezvous(tmp_path, capsys):
+    endpoint = tmp_path / "rdzv"
+    for run_id in ("job?min_nodes=1", "jo%62"):
+        assert main(["--rdzv-backend", "file", "--rdzv-endpoint", str(endpoint), "--rdzv-id", run_id,
+                     "--no-python", "/bin/true"]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and "--rdzv-id" in err and run_id in err
+    assert not endpoint.exists()
+
+
+def test_static_rendezvous_options(script):
+    c = config(["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29501", script])
+    assert c.static == cli.StaticRendezvous("10.0.0.1", 29501, 1, 2, "none", cli.STATIC_DEFAULT_TIMEOUT)
+    assert (c.master_addr, c.master_port, c.min_nodes, c.max_nodes, c.standalone) == ("10.0.0.1", 29501, 2, 2, False)
+    c = config(["--rdzv-backend", "static", "--nnodes", "3", "--rdzv-id", "job", "--rdzv-conf", "timeout=30", script])
+    assert c.static == cli.StaticRendezvous("127.0.0.1", 29500, 0, 3, "job", 30)  # torchrun's defaults
+    c = config(["--rdzv-backend", "static", "--rdzv-endpoint", "[::1]:7", "--nnodes", "2", "--node-rank", "1", script])
+    assert (c.static.master_addr, c.static.master_port, c.static.node_rank) == ("::1", 7, 1)
+
+
+def test_one_node_static_without_a_port_runs_standalone(script):
+    """torchrun's rule: static, one node, no port -> a standalone rendezvous (here file://)."""
+    c = config(["--node-rank", "0", "--master-addr", "127.0.0.2", script])
+    assert c.standalone and c.static is None and c.master_addr == "127.0.0.2" and c.master_port is None
+    c = config(["--rdzv-backend", "static", "--rdzv-id", "myjob", script])
+    assert c.standalone and c.url.endswith("/myjob?min_nodes=1&max_nodes=1")
+
+
+def test_master_options_with_an_elastic_rendezvous(script):
+    c = config(["--rdzv", "file:///d/r?max_nodes=3", "--master-port", "29999", script])
+    assert (c.master_port, c.master_addr, c.static) == (29999, None, None)
+    c = config(["--standalone", "--master-addr", "[::1]", "--master-port", "1", "--node-rank", "0", script])
+    assert (c.master_addr, c.master_port, c.standalone) == ("::1", 1, True)
+    c = config(["--rdzv", "file:///d/r", "--nnodes", "1", "--node-rank", "0", "--master-addr", "h", script])
+    assert c.master_addr == "h"
+
+
+@pytest.mark.parametrize("method", cli.START_METHODS)
+def test_start_method_is_accepted_and_changes_nothing(script, method):
+    base = config(["--standalone", script])
+    c = config(["--standalone", "--start-method", method, script])
+    assert c.start_method == method and (c.program, c.program_args) == (base.program, base.program_args)
+
+
+def test_run_path_runs_the_script_with_runpy(script, tmp_path):
+    c = config(["--standalone", "--run_path", script, "--lr", "1"])
+    assert c.program == sys.executable and c.program_args == ["-u", "-c", cli.RUN_PATH_CODE, script, "--lr", "1"]
+    probe = tmp_path / "probe.py"
+    probe.write_text("import json, sys\nprint(json.dumps([__name__, sys.argv]))\n")
+    out = subprocess.run([c.program, *c.program_args[:3], str(probe), "a", "--b"], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert json.loads(out) == ["__main__", [str(probe), "a", "--b"]]
+
+
 def test_url_from_environment(script):
     c = config([script], environ={cli.URL_ENV: "file:///d/run"})
     assert c.url.startswith("file:///d/run")
@@ -223,12 +317,43 @@ def test_module_and_no_python(script, tmp_path):
     [
         (["--standalone", "--rdzv", "file:///d/r", "S"], "rendezvous"),
         (["S"], "rendezvous"),
-        (["--rdzv-backend", "etcd", "S"], "rdzv_endpoint"),
-        (["--standalone", "--nnodes", "2", "S"], "nnodes"),
-        (["--standalone", "-m", "--no-python", "x"], "module"),
+        (["--rdzv-backend", "etcd", "S"], "--rdzv-endpoint"),
+        (["--standalone", "--nnodes", "2", "S"], "--nnodes"),
+        (["--standalone", "-m", "--no-python", "x"], "-m"),
+        (["--standalone", "--run-path", "--no-python", "S"], "--no-python"),
+        (["--standalone", "-m", "--run-path", "x"], "-m"),
         (["--standalone", "/no/such/script.py"], "script"),
+        (["--standalone", "--run-path", "/no/such/script.py"], "script"),
         (["--standalone", "--no-python", "/no/such/exe"], "script"),
-        (["--rdzv", "file:///d/r", "--rdzv-conf", "novalue", "S"], "rdzv_conf"),
+        (["--rdzv", "file:///d/r", "--rdzv-conf", "novalue", "S"], "--rdzv-conf"),
+        # the run id and endpoint cannot inject into the URL
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "job?min_nodes=1", "S"], "--rdzv-id"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "jo%62", "S"], "--rdzv-id"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "a/b", "S"], "--rdzv-id"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "..", "S"], "--rdzv-id"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1?min_nodes=1", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1#x", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "u:pw@h:1", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h%3A1", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1 x", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:99999", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/../etc", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
+        (["--rdzv-backend", "etcd://h", "--rdzv-endpoint", "h:1", "--rdzv-id", "job", "S"], "--rdzv-backend"),
+        # torchrun's static options: refused where they cannot do what torchrun does
+        (["--rdzv", "file:///d/r", "--nnodes", "2", "--node-rank", "1", "S"], "--node-rank"),
+        (["--rdzv", "file:///d/r", "--nnodes", "1:2", "--node-rank", "0", "S"], "--node-rank"),
+        (["--standalone", "--node-rank", "1", "S"], "--node-rank"),
+        (["--rdzv", "file:///d/r?max_nodes=3", "--master-addr", "10.0.0.1", "S"], "--master-addr"),
+        (["--standalone", "--master-addr", "bad host", "S"], "--master-addr"),
+        (["--nnodes", "2", "--node-rank", "2", "--master-port", "29501", "S"], "--node-rank"),
+        (["--nnodes", "1:2", "--node-rank", "0", "--master-port", "29501", "S"], "--nnodes"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--local-addr", "h", "S"], "--local-addr"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-conf", "last_call_timeout=1", "S"], "--rdzv-conf"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-conf", "timeout=0", "S"], "--rdzv-conf"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-id", "a?b", "S"], "--rdzv-id"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h:1", "--master-port", "2", "S"],
+         "--rdzv-endpoint"),
+        (["--rdzv-backend", "static", "--nnodes", "2", "--rdzv-endpoint", "h", "S"], "--rdzv-endpoint"),
     ],
 )
 def test_bad_combinations_name_the_option(argv, field, script):
@@ -241,6 +366,10 @@ def test_bad_combinations_name_the_option(argv, field, script):
 @pytest.mark.parametrize(
     "argv",
     [
+        ["--start-method", "thread", "--standalone", "x"],
+        ["--master-port", "0", "--standalone", "x"],
+        ["--master-port", "65536", "--standalone", "x"],
+        ["--node-rank", "-1", "--standalone", "x"],
         ["--nnodes", "3:2", "--standalone", "x"],
         ["--nnodes", "0", "--standalone", "x"],
         ["--nnodes", "a", "--standalone", "x"],
@@ -272,8 +401,9 @@ def test_worker_environment_drops_the_url_and_password():
 
 def test_strip_rdzv_options_keeps_everything_else():
     argv = ["--nnodes", "2", "--rdzv", "etcd://u:pw@h/r", "-m", "--rdzv_id=x", "--standalone",
-            "--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd", "--tee=3", "mod", "--rdzv", "keep"]
-    assert cli.strip_rdzv_options(argv) == ["--nnodes", "2", "-m", "--standalone", "--tee=3", "mod", "--rdzv", "keep"]
+            "--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd", "--tee=3", "--run-path", "mod", "--rdzv", "keep"]
+    assert cli.strip_rdzv_options(argv) == ["--nnodes", "2", "-m", "--standalone", "--tee=3", "--run-path", "mod",
+                                            "--rdzv", "keep"]
 
 
 def test_nnodes_type_messages():

@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import signal
+import subprocess
 import sys
 import uuid
 
@@ -18,6 +19,7 @@ import pytest
 
 from agent_workers.harness import HERE, WORKER, Launcher, kill_run, pid_alive, wait_until
 from rdzv_agent.launcher import main
+from rdzv_agent.master import choose_port
 from rdzv_core import create_handler
 
 FAST = {"last_call_timeout": "0.5", "keep_alive_ttl": "2", "timeout": "60"}
@@ -171,6 +173,78 @@ def test_signal_stops_workers_and_leaves_the_run_open(node_url, procs, tmp_path,
         assert again.wait(120) == 0, again.tail()
 
 
+def test_workers_die_when_the_launcher_is_killed_with_sigkill(procs, tmp_path):
+    """PR_SET_PDEATHSIG: nothing can stop the workers for a SIGKILLed launcher, so the kernel does."""
+    out = str(tmp_path / "out")
+    launcher = procs.start(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", WORKER,
+                            "--out", out, "--ignore-sigterm", "--wait-for", str(tmp_path / "never")], "node")
+    recs = wait_until(lambda: len(records(out)) == 2 and records(out), 120, "both workers to start", launcher.tail)
+    pids = [r["pid"] for r in recs]
+    assert all(pid_alive(p) for p in pids)
+    assert set(pids) <= set(launcher.descendants())  # remembered: teardown kills them if this test fails
+    os.kill(launcher.pid, signal.SIGKILL)
+    assert launcher.wait(30) == -signal.SIGKILL
+    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the workers to die with their launcher",
+               lambda: f"alive: {[p for p in pids if pid_alive(p)]}")
+
+
+def test_static_rendezvous_two_nodes_share_node_rank_0s_store(procs, tmp_path):
+    """torchrun's static mode: fixed node ranks; the workers get --master-addr/--master-port and
+    reuse node rank 0's store (TORCHELASTIC_USE_AGENT_STORE) for their own process group."""
+    port = choose_port()
+    out = str(tmp_path / "out")
+    nodes = [
+        procs.start(["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port",
+                     str(port), "--monitor-interval", "0.1", "--rdzv-conf", "timeout=120", WORKER, "--out", out,
+                     "--allreduce"], f"node{rank}")
+        for rank in (1, 0)  # rank 1 first: it waits for node rank 0's store
+    ]
+    for node in nodes:
+        assert node.wait(240) == 0, node.tail()
+    recs = {r["RANK"]: r for r in records(out)}
+    assert sorted(recs) == ["0", "1"]
+    for rank, r in recs.items():
+        assert (r["GROUP_RANK"], r["WORLD_SIZE"], r["GROUP_WORLD_SIZE"]) == (rank, "2", "2")
+        assert (r["MASTER_ADDR"], r["MASTER_PORT"], r["TORCHELASTIC_USE_AGENT_STORE"]) == ("127.0.0.1", str(port),
+                                                                                           "True")
+        assert r["allreduce"] == 3  # 1 + 2: the process group really formed
+
+
+def test_static_rendezvous_missing_node_times_out_with_exit_1(procs, tmp_path):
+    launcher = procs.start(["--rdzv-backend", "static", "--nnodes", "2", "--master-port", str(choose_port()),
+                            "--rdzv-conf", "timeout=2", WORKER, "--out", str(tmp_path / "out")], "alone")
+    assert launcher.wait(120) == 1, launcher.tail()
+    assert not records(str(tmp_path / "out"))
+
+
+def test_master_addr_and_port_reach_the_workers_of_an_elastic_job(procs, tmp_path):
+    port = choose_port()
+    out = str(tmp_path / "out")
+    launcher = procs.start(["--standalone", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                            str(port), "--node-rank", "0", "--monitor-interval", "0.1", WORKER, "--out", out,
+                            "--allreduce"], "node")
+    assert launcher.wait(240) == 0, launcher.tail()
+    recs = records(out)
+    assert {(r["MASTER_ADDR"], r["MASTER_PORT"], r["TORCHELASTIC_USE_AGENT_STORE"]) for r in recs} == {
+        ("127.0.0.1", str(port), "False")}
+    assert [r["allreduce"] for r in recs] == [3, 3]
+
+
+def test_python_m_rdzv_agent_and_run_path(tmp_path):
+    out = str(tmp_path / "out")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env.pop("RDZV_URL", None)
+    done = subprocess.run([sys.executable, "-m", "rdzv_agent", "--standalone", "--nproc-per-node", "2",
+                           "--monitor-interval", "0.1", "--start-method", "fork", "--run-path", WORKER, "--out", out],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(r["RANK"] for r in records(out)) == ["0", "1"]
+    usage = subprocess.run([sys.executable, "-m", "rdzv_agent", "--rdzv-id", "a?b", "--rdzv-backend", "file",
+                            "--rdzv-endpoint", str(tmp_path), WORKER], env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert usage.returncode == 2 and len(usage.stderr.strip().splitlines()) == 1
+
+
 def test_rendezvous_timeout_exits_1(node_url, procs):
     run_id = new_run(procs)
     launcher = procs.start(["--rdzv", node_url(run_id, timeout="2"), "--nnodes", "2", WORKER, "--out", "x"],
@@ -198,6 +272,11 @@ def test_closed_run_exits_1_and_success_closes_the_run(node_url, procs, tmp_path
         ["--rdzv", "file:///tmp/x/bad%2Fid"],
         ["--standalone", "--log-level", "LOUD"],
         ["--standalone", "--role", "two words"],
+        ["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/x", "--rdzv-id", "job?min_nodes=1"],
+        ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1/?max_nodes=9", "--rdzv-id", "job"],
+        ["--rdzv", "file:///tmp/x/run", "--nnodes", "2", "--node-rank", "1"],
+        ["--rdzv", "file:///tmp/x/run", "--nnodes", "2", "--master-addr", "10.0.0.1"],
+        ["--rdzv-backend", "static", "--nnodes", "1:2"],
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):

@@ -80,12 +80,15 @@ def test_workers_get_torchrun_environment(kind, tmp_path):
     for r in recs:
         assert r["ROLE_RANK"] == r["RANK"]
         assert (r["GROUP_RANK"], r["ROLE_NAME"]) == ("0", "trainer")
-        assert (r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"], r["GROUP_WORLD_SIZE"], r["ROLE_WORLD_SIZE"]) == ("2", "2", "1", "2")
+        sizes = (r["WORLD_SIZE"], r["LOCAL_WORLD_SIZE"], r["GROUP_WORLD_SIZE"], r["ROLE_WORLD_SIZE"])
+        assert sizes == ("2", "2", "1", "2")
         assert (r["TORCHELASTIC_RESTART_COUNT"], r["TORCHELASTIC_MAX_RESTARTS"]) == ("0", "3")
         assert r["TORCHELASTIC_RUN_ID"] == h.get_run_id()
         assert r["OMP_NUM_THREADS"] == "1" and r["PYTHONUNBUFFERED"] == "1"
         assert r["TORCHELASTIC_ERROR_FILE"].startswith(agent.log_dir)
         assert r["MASTER_ADDR"] and 0 < int(r["MASTER_PORT"]) < 65536
+        # torch's c10d handler shares its TCP store with the workers (use_agent_store), rdzv's does not
+        assert r["TORCHELASTIC_USE_AGENT_STORE"] == str(kind == "torch-c10d")
     assert recs[0]["MASTER_PORT"] == recs[1]["MASTER_PORT"]
     group = agent.get_worker_group()
     assert (group.group_rank, group.group_world_size) == (0, 1)
@@ -174,6 +177,31 @@ def test_stop_kills_the_process_tree_and_sigterm_ignorers(handler, tmp_path):
     codes = agent.worker_exit_codes()
     assert codes[1] == (1, 1, False)
     assert codes[0] == (0, -signal.SIGKILL, True)  # ignored SIGTERM: killed after the grace period
+
+
+def test_only_workers_killed_by_the_agents_signal_count_as_stopped_by_the_agent(handler, tmp_path):
+    """Rank 1 fails; the agent stops ranks 0 and 2. Rank 0 exits with its own code 5 while the
+    agent's SIGTERM is pending (blocked): it ended on its own. Rank 2 dies of the SIGTERM."""
+    agent, _ = make_agent(handler, tmp_path, "--fail-rank", "1", "--exit-code", "3", "--sigterm-race-rank", "0",
+                          "--wait-for", str(tmp_path / "never"), nproc=3)
+    with pytest.raises(WorkerGroupFailureException) as info:
+        agent.run()
+    assert list(info.value.get_worker_exceptions()) == [1]
+    assert agent.worker_exit_codes() == {0: (0, 5, False), 1: (1, 3, False), 2: (2, -signal.SIGTERM, True)}
+
+
+def test_a_traceback_with_torchs_rank_prefix_is_the_error(handler, tmp_path):
+    """After init_process_group, torch prefixes every traceback line with ``[rankN]:``."""
+    marker = f"boom-{uuid.uuid4().hex[:8]}"
+    agent, out = make_agent(handler, tmp_path, "--allreduce", "--fail-rank", "1", "--message", marker)
+    with pytest.raises(WorkerGroupFailureException) as info:
+        agent.run()
+    failure = info.value.get_worker_exceptions()[1]
+    assert failure.exit_code == 1
+    assert failure.error == f"RuntimeError: {marker}"
+    with open(failure.log_path) as f:
+        assert f"[rank1]: RuntimeError: {marker}" in f.read()  # the prefix was there to be read past
+    assert {r["RANK"]: r.get("allreduce") for r in records(out) if "allreduce" in r} == {"0": 3, "1": 3}
 
 
 def test_port_taken_at_startup_is_retried_without_a_restart(handler, tmp_path):

@@ -102,7 +102,8 @@ class Launcher:
             raise AssertionError(f"{self.name} did not exit within {timeout} s\n{self.tail()}") from None
 
     def tail(self, chars: int = 3000) -> str:
-        return f"--- {self.name} stdout ---\n{self.stdout()[-chars:]}\n--- {self.name} stderr ---\n{self.stderr()[-chars:]}"
+        return (f"--- {self.name} stdout ---\n{self.stdout()[-chars:]}\n"
+                f"--- {self.name} stderr ---\n{self.stderr()[-chars:]}")
 
     def kill_all(self) -> None:
         """SIGKILL the launcher and every descendant's process group."""

@@ -15,6 +15,13 @@ Every run writes ``OUT/<RANK>-<pid>.json`` with the torchrun variables it saw
                                MASTER_PORT first, then a torch TCPStore server on
                                it fails with torch's own EADDRINUSE error
 --print TEXT                   print TEXT on stdout (and ``err:TEXT`` on stderr)
+--allreduce                    init_process_group("gloo") from the torchrun variables and
+                               all_reduce RANK+1 (the sum is ``allreduce`` in the JSON,
+                               rewritten after the first record); a failure (--fail-rank)
+                               comes after it, so torch prefixes its traceback ``[rankN]:``
+--sigterm-race-rank R          rank R blocks SIGTERM, waits (at most 120 s) until the agent's
+                               SIGTERM is pending, then exits with code 5 on its own: a
+                               worker that fails by itself while the agent is stopping it
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ import time
 VARS = (
     "RANK LOCAL_RANK GROUP_RANK ROLE_RANK ROLE_NAME WORLD_SIZE LOCAL_WORLD_SIZE GROUP_WORLD_SIZE "
     "ROLE_WORLD_SIZE MASTER_ADDR MASTER_PORT TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS "
-    "TORCHELASTIC_RUN_ID TORCHELASTIC_ERROR_FILE OMP_NUM_THREADS PYTHONUNBUFFERED"
+    "TORCHELASTIC_RUN_ID TORCHELASTIC_ERROR_FILE TORCHELASTIC_USE_AGENT_STORE OMP_NUM_THREADS PYTHONUNBUFFERED"
 ).split()
 
 
@@ -47,6 +54,8 @@ def main() -> int:
     p.add_argument("--ignore-sigterm", action="store_true")
     p.add_argument("--steal-master-port", action="store_true")
     p.add_argument("--print", default=None)
+    p.add_argument("--allreduce", action="store_true")
+    p.add_argument("--sigterm-race-rank", type=int, default=None)
     args = p.parse_args()
 
     if args.ignore_sigterm:
@@ -56,14 +65,15 @@ def main() -> int:
     record = {k: os.environ.get(k) for k in VARS}
     record["pid"] = os.getpid()
     record["env"] = dict(os.environ)
+    if args.sigterm_race_rank == rank:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     if args.child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         record["child_pid"] = child.pid
-    os.makedirs(args.out, exist_ok=True)
-    tmp = os.path.join(args.out, f".{rank}-{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, os.path.join(args.out, f"{rank}-{os.getpid()}.json"))
+    write_record(args.out, rank, record)
+    if args.allreduce:
+        record["allreduce"] = allreduce(rank)
+        write_record(args.out, rank, record)
 
     if args.print:
         print(args.print, flush=True)
@@ -71,6 +81,13 @@ def main() -> int:
     if args.steal_master_port and rank == 0 and not os.path.exists(os.path.join(args.out, "stolen")):
         open(os.path.join(args.out, "stolen"), "w").close()
         steal_master_port()
+    if args.sigterm_race_rank == rank:
+        deadline = time.monotonic() + 120
+        while signal.SIGTERM not in signal.sigpending():
+            if time.monotonic() > deadline:
+                return 9
+            time.sleep(0.01)
+        return 5
     if args.fail_rank == rank and (args.fail_times < 0 or restart < args.fail_times):
         if args.exit_code is not None:
             print(f"worker rank {rank}: {args.message}", file=sys.stderr, flush=True)
@@ -83,6 +100,28 @@ def main() -> int:
                 return 9
             time.sleep(0.05)
     return 0
+
+
+def write_record(out: str, rank: int, record: dict) -> None:
+    """Write ``OUT/<RANK>-<pid>.json`` atomically."""
+    os.makedirs(out, exist_ok=True)
+    tmp = os.path.join(out, f".{rank}-{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, os.path.join(out, f"{rank}-{os.getpid()}.json"))
+
+
+def allreduce(rank: int) -> int:
+    """Join the process group (env://, gloo) and return the sum of RANK+1 over all ranks."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    value = torch.tensor([rank + 1])
+    dist.all_reduce(value)
+    return int(value.item())
 
 
 def steal_master_port() -> None:
