@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from typing import Iterator, Sequence
 
@@ -23,11 +24,27 @@ import pytest
 __all__ = ["ServerProcess", "free_port", "wait_for_port", "rdzv_server_redis", "rdzv_server_etcd"]
 
 
+_issued: set[int] = set()
+_issued_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that is free right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port on ``host`` that is free right now (the OS picks it) and that this process
+    has not handed out before: the OS may offer a just-released port again, and a cluster
+    that needs several ports at once must not get one twice.
+
+    Raises:
+        OSError: no fresh port after 100 tries.
+    """
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        with _issued_lock:
+            if port not in _issued:
+                _issued.add(port)
+                return port
+    raise OSError(f"no fresh free port on {host} after 100 tries")
 
 
 def wait_for_port(host: str, port: int, deadline: float) -> bool:

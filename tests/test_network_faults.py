@@ -1,0 +1,305 @@
+"""Network faults between clients and a real server (issue 7), through a loopback TCP proxy.
+
+Every client here reaches its server (a real ``redis-server`` or ``etcd``; the
+session's ``rdzv_server_redis`` / ``rdzv_server_etcd``) through a
+:class:`~conformance_tests.proxy.TCPProxy` that the test switches between
+``pass``, ``drop`` (connections reset), ``blackhole`` (connections open, nothing
+forwarded) and ``slow``. The server itself never fails. Clients are opened with
+``operation_timeout`` = :data:`OP_TIMEOUT`. Parametrized over ``redis``,
+``etcd-v3`` and ``etcd-v2``.
+
+Expected, per test:
+
+* black hole: every KV operation (and opening a client) raises a
+  ``BackendUnavailable`` subclass within :data:`LIMIT` seconds -- about one
+  ``operation_timeout``, not a multiple of it -- and a watch returns ``[]`` or
+  raises ``BackendUnavailable`` within ``watch timeout + LIMIT``;
+* drop: every operation raises ``BackendConnectionError`` within :data:`LIMIT`
+  (an etcd client tries the endpoint again until ``operation_timeout``; Redis fails at once);
+* a :class:`~rdzv_core.keepalive.KeepAlive` outlives a 2 s black hole shorter than
+  its TTL: its thread keeps running, the key is never found gone (``lapsed``) and
+  never expires, judged by a watch until any key not refreshed after the black hole
+  began would have expired (``TTL + ttl_resolution``);
+* after black hole and drop give way to ``pass``, two agents form their next
+  round within :func:`recovery_bound` seconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from conformance_tests.proxy import Mode, TCPProxy
+from conformance_tests.test_rendezvous import Agent
+from rdzv_core import (
+    BackendConnectionError,
+    BackendUnavailable,
+    EventType,
+    KVBackend,
+    RendezvousParams,
+    RoundResult,
+    list_backends,
+    open_backend,
+)
+from rdzv_core.keepalive import KeepAlive
+
+OP_TIMEOUT = 1.0  #: operation_timeout of every proxied client (seconds)
+#: How long one failing operation may take: one ``operation_timeout``, its own cut-off slack
+#: (a second attempt started with no time left: etcd's ``_MIN_TRY``), and 1 s of scheduling slack
+#: on a loaded 2-core machine. A client that retried a silent server would take 2 s or more per retry.
+LIMIT = OP_TIMEOUT + 2.0
+MARGIN = 3.0  #: scheduling slack (seconds) on top of bounds derived from TTLs
+SCHEMES = ["redis", "etcd-v3", "etcd-v2"]
+
+
+# -- fixtures ---------------------------------------------------------------------------------
+@pytest.fixture(params=SCHEMES)
+def scheme(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def server(scheme: str, request: pytest.FixtureRequest) -> Any:
+    """The session's real server for ``scheme`` (never disturbed here: only the proxy fails)."""
+    return request.getfixturevalue("rdzv_server_redis" if scheme == "redis" else "rdzv_server_etcd")
+
+
+@pytest.fixture
+def proxy(server: Any) -> Iterator[TCPProxy]:
+    """A proxy in front of ``server``, in ``pass`` mode."""
+    with TCPProxy(server.host, server.port) as p:
+        yield p
+
+
+@pytest.fixture
+def clients(scheme: str, server: Any, proxy: TCPProxy) -> Iterator[Callable[..., KVBackend]]:
+    """``clients(direct=False)`` -> a new client through the proxy (or straight to the server); all closed after."""
+    opened: list[KVBackend] = []
+
+    def make(direct: bool = False) -> KVBackend:
+        address = server.address if direct else proxy.address
+        kv = open_backend(f"{scheme}://{address}/?operation_timeout={OP_TIMEOUT if not direct else 10}")
+        opened.append(kv)
+        return kv
+
+    yield make
+    for kv in opened:
+        kv.close()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"netfaults/t{uuid.uuid4().hex[:12]}/"
+
+
+def _timed_in_threads(calls: dict[str, Callable[[], Any]], join: float) -> dict[str, tuple[float, Any]]:
+    """Run every call on its own thread at once; ``{name: (seconds, result or exception)}`` of those done."""
+    outcomes: dict[str, tuple[float, Any]] = {}
+
+    def run(name: str, fn: Callable[[], Any]) -> None:
+        t0 = time.monotonic()
+        try:
+            result: Any = fn()
+        except BaseException as exc:  # judged by the caller
+            result = exc
+        outcomes[name] = (time.monotonic() - t0, result)
+
+    threads = [threading.Thread(target=run, args=item, daemon=True) for item in calls.items()]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, started + join - time.monotonic()))
+    return dict(outcomes)
+
+
+def _operations(kv: Callable[..., KVBackend], prefix: str, scheme: str) -> dict[str, Callable[[], Any]]:
+    """One call per KV operation (and opening a client), each on its own proxied client, set up in ``pass`` mode."""
+    c = {name: kv() for name in ("get", "list", "put", "create", "cas", "cad", "delete", "add", "refresh")}
+    seed = c["cas"].put(prefix + "cas", b"0")
+    doomed = c["cad"].put(prefix + "cad", b"0")
+    c["refresh"].put(prefix + "ttl", b"x", ttl=60)
+    for name in ("get", "list", "put", "create", "delete", "add"):
+        c[name].get(prefix + "warm")  # every client has its connection open before the fault
+    return {
+        "get": lambda: c["get"].get(prefix + "cas"),
+        "list": lambda: c["list"].list(prefix),
+        "put": lambda: c["put"].put(prefix + "p", b"1"),
+        "create": lambda: c["create"].create(prefix + "new", b"1"),
+        "compare_and_swap": lambda: c["cas"].compare_and_swap(prefix + "cas", b"1", seed.revision),
+        "compare_and_delete": lambda: c["cad"].compare_and_delete(prefix + "cad", doomed.revision),
+        "delete": lambda: c["delete"].delete(prefix + "cas"),
+        "add": lambda: c["add"].add(prefix + "n", 1),
+        "refresh": lambda: c["refresh"].refresh(prefix + "ttl", 60),
+        "open": lambda: kv().close(),
+    }
+
+
+def _judge(outcomes: dict[str, tuple[float, Any]], expected: type[BaseException], names: list[str],
+           record_property: Callable[[str, Any], None]) -> list[str]:
+    problems = [f"{name}: no outcome within the join time (hung?)" for name in names if name not in outcomes]
+    for name, (elapsed, result) in sorted(outcomes.items()):
+        record_property(f"{name}_s", round(elapsed, 2))
+        record_property(f"{name}_error", type(result).__name__)
+        if not isinstance(result, expected):
+            problems.append(f"{name}: {result!r}, expected {expected.__name__}")
+        if elapsed > LIMIT:
+            problems.append(f"{name}: took {elapsed:.2f} s (limit {LIMIT} s)")
+    return problems
+
+
+# -- tests ------------------------------------------------------------------------------------
+def test_black_hole_fails_each_operation_within_one_operation_timeout(
+        scheme: str, proxy: TCPProxy, clients, prefix: str, record_property) -> None:
+    """Black hole: each operation raises ``BackendUnavailable`` (usually ``BackendTimeout``) in about 1 s."""
+    calls = _operations(clients, prefix, scheme)
+    watcher = clients()
+    after = watcher.list(prefix)[1]
+    calls["watch"] = lambda: watcher.watch(prefix, after, OP_TIMEOUT)
+    proxy.set_mode(Mode.BLACKHOLE)
+    outcomes = _timed_in_threads(calls, join=OP_TIMEOUT + LIMIT + 5)
+    watch_elapsed, watch_result = outcomes.pop("watch", (None, None))
+    problems = _judge(outcomes, BackendUnavailable, [n for n in calls if n != "watch"], record_property)
+    if watch_elapsed is None:
+        problems.append("watch: no outcome (hung?)")
+    else:
+        record_property("watch_s", round(watch_elapsed, 2))
+        if not (watch_result == [] or isinstance(watch_result, BackendUnavailable)):
+            problems.append(f"watch: {watch_result!r}, expected [] or BackendUnavailable")
+        if watch_elapsed > OP_TIMEOUT + LIMIT:
+            problems.append(f"watch: took {watch_elapsed:.2f} s (limit {OP_TIMEOUT + LIMIT} s)")
+    assert not problems, "\n".join(problems)
+    assert proxy.chunks("accepted") >= 1, "the clients did not go through the proxy"  # gRPC shares one connection
+
+
+def test_drop_fails_each_operation_promptly_with_connection_error(
+        scheme: str, proxy: TCPProxy, clients, prefix: str, record_property) -> None:
+    """Drop (connections reset, new ones reset at once): each operation raises ``BackendConnectionError``
+    within :data:`LIMIT` seconds; so does a watch (its retries are bounded by ``operation_timeout``)."""
+    calls = _operations(clients, prefix, scheme)
+    watcher = clients()
+    after = watcher.list(prefix)[1]
+    calls["watch"] = lambda: watcher.watch(prefix, after, 30.0)
+    proxy.set_mode(Mode.DROP)
+    outcomes = _timed_in_threads(calls, join=LIMIT + 5)
+    problems = _judge(outcomes, BackendConnectionError, list(calls), record_property)
+    assert not problems, "\n".join(problems)
+
+
+def test_keepalive_outlives_a_black_hole_shorter_than_its_ttl(
+        scheme: str, proxy: TCPProxy, clients, prefix: str, record_property) -> None:
+    """A 2 s black hole, TTL 4 s: the keep-alive thread survives and its key never expires.
+
+    The black hole starts just after a refresh went through (seen on the proxy), so the
+    key has about one TTL left; the keep-alive's refreshes fail meanwhile (each within
+    ``operation_timeout``) and one succeeds soon after ``pass`` returns. A watch from a
+    direct client sees no ``DELETE`` of the key until ``TTL + ttl_resolution`` after the
+    black hole began -- by then a key not refreshed since would be gone.
+    """
+    ttl, hole = 4.0, 2.0
+    resolution = list_backends()[scheme].spec.capabilities.ttl_resolution
+    kv, direct = clients(), clients(direct=True)
+    key = prefix + "alive"
+    kv.put(key, b"member", ttl=ttl)
+    keepalive = KeepAlive(kv, key, ttl, value=b"member", name="test-keepalive")
+    try:
+        _after_a_refresh(proxy, ttl)
+        after = direct.list(prefix)[1]
+        began = time.monotonic()
+        proxy.set_mode(Mode.BLACKHOLE)
+        _sleep_until(began + hole)  # the fault's duration is the test's input, not a hope
+        proxy.set_mode(Mode.PASS)
+        healed = time.monotonic()
+        survived_hole = keepalive._thread.is_alive()
+        deleted = _deletes_of(direct, prefix, key, after, until=began + ttl + resolution)
+        present = direct.get(key)
+    finally:
+        keepalive.stop()
+    record_property("hole_s", round(healed - began, 2))
+    assert survived_hole, "the keep-alive thread ended during the black hole"
+    assert not deleted, f"the key expired or was deleted: {deleted}"
+    assert present is not None and present.value == b"member"
+    assert not keepalive.lapsed.is_set() and keepalive.recreated == 0, "the keep-alive found its key gone"
+
+
+def test_next_rendezvous_succeeds_once_the_network_is_back(
+        scheme: str, proxy: TCPProxy, clients, record_property) -> None:
+    """Round 1 over a slow link (20 ms per chunk); the members re-rendezvous into a black hole, then a drop,
+    then ``pass``: round 2 (world 2, higher version) forms within :func:`recovery_bound` s of ``pass``."""
+    ttl = 1.0
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=ttl, last_call_timeout=0.5, timeout=60)
+    run_id = f"netfaults{uuid.uuid4().hex[:10]}"
+    members = [Agent(clients(), run_id, params) for _ in range(2)]
+    try:
+        proxy.set_mode(Mode.SLOW, delay=0.02)
+        first = _round_of([m.start() for m in members], 30)
+        proxy.set_mode(Mode.BLACKHOLE)
+        for m in members:
+            m.start()
+        t0 = time.monotonic()
+        _sleep_until(t0 + 1.5)
+        proxy.set_mode(Mode.DROP)
+        _sleep_until(t0 + 2.5)
+        assert not any(m.done.is_set() for m in members), "a round formed with the network down"
+        proxy.set_mode(Mode.PASS)
+        healed = time.monotonic()
+        bound = recovery_bound(scheme, ttl)
+        second = _round_of(members, bound)
+        record_property("recovery_s", round(time.monotonic() - healed, 2))
+    finally:
+        for m in members:
+            m.kv.close()  # ends a failed test's agent at once (BackendClosed)
+    assert second[0].version > first[0].version
+
+
+def recovery_bound(scheme: str, ttl: float) -> float:
+    """Seconds from ``pass`` to the next round: a client's failing call (``operation_timeout``) and
+    backoff (1 s at most), the old round's keep-alive keys lapsing (``ttl + ttl_resolution``), a
+    round with no last call (min = max), plus :data:`MARGIN`."""
+    resolution = list_backends()[scheme].spec.capabilities.ttl_resolution
+    return OP_TIMEOUT + 1.0 + ttl + resolution + MARGIN
+
+
+# -- helpers ----------------------------------------------------------------------------------
+def _round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
+    """Every agent's result within ``timeout`` s; they form one round (same version, ranks 0..n-1)."""
+    deadline = time.monotonic() + timeout
+    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
+    assert sorted(r.rank for r in results) == list(range(len(agents))), results
+    assert {r.world_size for r in results} == {len(agents)}, results
+    assert len({r.version for r in results}) == 1, results
+    return results
+
+
+def _sleep_until(when: float) -> None:
+    """Wait until ``time.monotonic()`` reaches ``when``: how long a fault lasts is the test's choice."""
+    time.sleep(max(0.0, when - time.monotonic()))
+
+
+def _after_a_refresh(proxy: TCPProxy, ttl: float) -> None:
+    """Return just after the keep-alive's next refresh went through: a request reached the server, then
+    0.2 s passed without traffic (a refresh takes milliseconds; the next one is ``ttl / 3`` away)."""
+    deadline = time.monotonic() + 3 * ttl
+    seen = proxy.chunks("to_server")
+    assert proxy.wait_for_chunks("to_server", seen, ttl), "no refresh reached the server within one TTL"
+    while time.monotonic() < deadline:
+        sent, answered = proxy.chunks("to_server"), proxy.chunks("to_client")
+        if not proxy.wait_for_chunks("to_server", sent, 0.2) and proxy.chunks("to_client") == answered:
+            return
+    raise AssertionError("the keep-alive's traffic never went quiet")
+
+
+def _deletes_of(kv: KVBackend, prefix: str, key: str, after: int, until: float) -> list[Any]:
+    """``DELETE`` events of ``key`` under ``prefix`` after revision ``after``, watched until ``until`` (monotonic)."""
+    deleted = []
+    while (remaining := until - time.monotonic()) > 0:
+        events = kv.watch(prefix, after, remaining)
+        for event in events:
+            after = max(after, event.revision)
+            if event.key == key and event.type is EventType.DELETE:
+                deleted.append(event)
+    return deleted
