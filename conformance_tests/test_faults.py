@@ -39,7 +39,6 @@ from rdzv_core import (
     Rendezvous,
     RendezvousParams,
     RendezvousStateError,
-    RendezvousTimeout,
     RoundResult,
     ValueTooLarge,
     open_backend,

@@ -2,9 +2,35 @@
 
 For tests and large simulations (thousands of agents as threads in one
 process). Every :class:`MemoryBackend` opened with the same ``NAME`` (default
-``default``) in one process shares one keyspace. TTLs use ``time.monotonic``;
-watches are woken by a condition variable, and by the next expiry time, so an
-expired key produces its ``DELETE`` event when it expires, not when next read.
+``default``) in one process shares one keyspace. TTLs use ``time.monotonic``.
+
+How a watch waits
+    Under the keyspace's one lock, a watch first filters the history after its
+    ``after_revision``; if nothing matches it registers a *waiter* under its
+    prefix and sleeps on a gate of its own (a bare lock). Every recorded event
+    is delivered to the waiters registered under one of the key's prefixes
+    (``""``, ``"a/"``, ``"a/b/"`` for key ``"a/b/c"``: a dict lookup each), which
+    are unregistered and, once the writer has released the keyspace lock, woken
+    (at most :data:`WAKE_TOKENS` at once, the rest in a relay; see :class:`_Guard`);
+    nobody else wakes. So an event costs O(key depth + matching watchers), not
+    O(all watchers); a woken watcher returns the event it was handed without
+    rescanning the history or taking the keyspace lock again (a thousand
+    watchers woken by one event do not queue for that lock).
+Reads
+    ``list`` bisects a sorted index of the keys (O(log n + found), not a scan of
+    the keyspace). ``get`` of a key that needs no expiry takes no lock: one dict
+    lookup, atomic in CPython, and writers replace a key's tuple in one
+    assignment (the moment that write takes effect for readers).
+Expiry
+    Every operation that takes the keyspace lock deletes expired keys first
+    (each with a ``DELETE`` event and a fresh revision); so does a ``get`` that
+    finds its key expired. While watches wait, exactly one of
+    them — the *timekeeper* — also sleeps no later than the next expiry, runs
+    the expiry, and hands the role to another waiter when it leaves; a write
+    whose expiry becomes the earliest wakes it. So an expired key produces its
+    ``DELETE`` event when it expires, not when next read, and only one thread
+    wakes for it. Refreshed keys leave stale heap entries behind; they are
+    dropped lazily, without waking anyone.
 
 The event history keeps the last :data:`HISTORY_LIMIT` events; a watch from an
 older revision raises :class:`~rdzv_core.errors.HistoryCompacted`.
@@ -12,6 +38,8 @@ older revision raises :class:`~rdzv_core.errors.HistoryCompacted`.
 
 from __future__ import annotations
 
+import bisect
+import collections
 import heapq
 import threading
 import time
@@ -22,58 +50,211 @@ from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
-__all__ = ["MemoryBackend", "HISTORY_LIMIT", "plugin"]
+__all__ = ["MemoryBackend", "HISTORY_LIMIT", "WATCH_BATCH", "WAKE_TOKENS", "plugin"]
 
 #: Events kept for watchers (the count etcd v2 keeps, too).
 HISTORY_LIMIT = 10_000
+#: Most events one ``watch`` call returns (callers watch again for the rest).
+WATCH_BATCH = 1000
+#: Watches woken at once when one event concerns many; the others are woken in a relay.
+WAKE_TOKENS = 4
+
+
+class _Waiter:
+    """One blocked ``watch``: its prefix, the event delivered to it, and its own gate.
+
+    The thread that records a matching event (holding the keyspace lock) appends it
+    to ``events``, unregisters the waiter and sets ``delivered``; the gate is opened
+    once that thread has released the keyspace lock (see :class:`_Guard`). So a
+    woken watch returns without taking the keyspace lock again, and does not wake
+    into a lock its waker still holds. The gate is also opened to end a wait early
+    (timekeeping, close) with nothing delivered; the watch then re-checks under
+    the lock.
+
+    The gate is a bare lock, locked while closed (cheaper than ``threading.Event``,
+    which builds a ``Condition`` in Python). Every gate operation is one call of
+    the C lock, so they need no lock of their own; at worst a waiter wakes once
+    for nothing.
+    """
+
+    __slots__ = ("prefix", "owner", "events", "delivered", "_gate", "chain")
+
+    def __init__(self, prefix: str, owner: "MemoryBackend") -> None:
+        self.prefix = prefix
+        self.owner = owner
+        self.events: list[Event] = []
+        self.delivered = False
+        self.chain: collections.deque[_Waiter] | None = None
+        self._gate = threading.Lock()
+        self._gate.acquire()
+
+    def open(self) -> None:
+        """Wake the waiting thread (no-op if the gate is open)."""
+        try:
+            self._gate.release()
+        except RuntimeError:  # already open
+            pass
+
+    def wait(self, timeout: float) -> None:
+        """Block until the gate opens (closing it again) or ``timeout`` seconds pass."""
+        self._gate.acquire(timeout=max(timeout, 0.0))
+
+    def close_gate(self) -> None:
+        """Close the gate if it is open."""
+        self._gate.acquire(blocking=False)
+
+
+class _Guard:
+    """``with keyspace.guard:`` holds the keyspace lock (not re-entrant); on exit it
+    releases the lock first, then opens the gates of the waiters woken meanwhile.
+
+    The watches handed an event while the lock was held form a relay (the deque
+    ``relay``; each knows it as ``chain`` from the moment it is handed the
+    event): only :data:`WAKE_TOKENS` of their gates are opened here, and every
+    watch leaving with an event opens the next gate of its relay. So
+    the thousand watches of one rendezvous round woken by one record change run
+    a few at a time instead of all competing for the GIL at once (which made
+    CPython switch threads every few bytecodes: five times the context switches
+    and twice the time at N = 1,024). A relay cannot stall: every watch handed an
+    event passes one token on when it leaves, whether a token or its deadline
+    woke it.
+    """
+
+    __slots__ = ("_ks",)
+
+    def __init__(self, ks: "_Keyspace") -> None:
+        self._ks = ks
+
+    def __enter__(self) -> None:
+        self._ks.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        ks = self._ks
+        woken, relay = ks.woken, ks.relay
+        if woken:
+            ks.woken = []
+        if relay is not None:
+            ks.relay = None
+        ks.lock.release()
+        for waiter in woken:
+            waiter.open()
+        if relay is not None:
+            for _ in range(WAKE_TOKENS):
+                try:
+                    relay.popleft().open()
+                except IndexError:  # fewer watches (or some left at their deadline and took tokens)
+                    break
 
 
 @dataclass
 class _Keyspace:
-    """One named in-process keyspace shared by every backend opened on it."""
+    """One named in-process keyspace shared by every backend opened on it.
 
-    cond: threading.Condition = field(default_factory=threading.Condition)
+    ``lock`` guards everything; the methods below run with it held, taken through
+    ``with guard:`` (which opens the gates queued in ``woken`` after releasing it).
+    """
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
     data: dict[str, tuple[bytes, int, float | None]] = field(default_factory=dict)  # value, revision, expiry
+    keys: list[str] = field(default_factory=list)  # the keys of ``data``, sorted (``list`` bisects it)
     revision: int = 0
     history: list[Event] = field(default_factory=list)
-    expiries: list[tuple[float, str]] = field(default_factory=list)  # heap of (expires_at, key)
+    expiries: list[tuple[float, str]] = field(default_factory=list)  # heap of (expires_at, key), stale ones too
+    waiters: dict[str, set[_Waiter]] = field(default_factory=dict)  # prefix -> blocked watches
+    timekeeper: _Waiter | None = None  # the waiter that sleeps until the next expiry
+    woken: list[_Waiter] = field(default_factory=list)  # gates to open once the lock is released
+    relay: collections.deque[_Waiter] | None = None  # watches handed an event under the lock now held
+    guard: _Guard = field(init=False)
 
-    # All methods below run with ``cond`` held.
+    def __post_init__(self) -> None:
+        self.guard = _Guard(self)
+
+    @property
+    def cond(self) -> _Guard:
+        """``guard`` under the name subclasses such as ``conformance_tests/broken.py`` use."""
+        return self.guard
+
     def next_revision(self) -> int:
         self.revision += 1
         return self.revision
 
     def record(self, event: Event) -> None:
+        """Append ``event`` to the history and deliver it to the waiters whose prefix selects it."""
         self.history.append(event)
         if len(self.history) > HISTORY_LIMIT:
             del self.history[: len(self.history) - HISTORY_LIMIT]
-        self.cond.notify_all()
+        if not self.waiters:
+            return
+        for prefix in _prefixes(event.key):
+            group = self.waiters.pop(prefix, None)
+            if group is None:
+                continue
+            if self.relay is None:
+                self.relay = collections.deque()
+            for waiter in group:
+                waiter.events.append(event)
+                waiter.chain = self.relay  # before ``delivered``: a watch that sees that passes a token on
+                waiter.delivered = True
+                self.relay.append(waiter)
+                if waiter is self.timekeeper:
+                    self._hand_off_timekeeping()
+
+    def next_expiry(self) -> float | None:
+        """The earliest live expiry (``time.monotonic`` seconds); drops stale heap entries."""
+        heap = self.expiries
+        while heap:
+            expires, key = heap[0]
+            item = self.data.get(key)
+            if item is not None and item[2] == expires:
+                return expires
+            heapq.heappop(heap)  # deleted, rewritten or refreshed since
+        return None
 
     def expire(self) -> None:
+        """Delete every key whose expiry has passed, each with a ``DELETE`` event."""
         now = time.monotonic()
-        while self.expiries and self.expiries[0][0] <= now:
+        while (expires := self.next_expiry()) is not None and expires <= now:
             _, key = heapq.heappop(self.expiries)
-            item = self.data.get(key)
-            if item is not None and item[2] is not None and item[2] <= now:
-                del self.data[key]
-                self.record(Event(EventType.DELETE, key, self.next_revision()))
+            self.drop(key)
+            self.record(Event(EventType.DELETE, key, self.next_revision()))
 
     def live(self, key: str) -> tuple[bytes, int, float | None] | None:
         self.expire()
         return self.data.get(key)
 
+    def schedule(self, key: str, expires: float) -> None:
+        """Remember ``key``'s expiry; wake the timekeeper if it is now the earliest."""
+        heapq.heappush(self.expiries, (expires, key))
+        if self.timekeeper is not None and self.expiries[0] == (expires, key):
+            self.woken.append(self.timekeeper)
+
     def write(self, key: str, value: bytes, ttl: float | None) -> Entry:
         rev = self.next_revision()
         expires = None if ttl is None else time.monotonic() + ttl
+        if key not in self.data:
+            bisect.insort(self.keys, key)
         self.data[key] = (value, rev, expires)
         if expires is not None:
-            heapq.heappush(self.expiries, (expires, key))
+            self.schedule(key, expires)
         self.record(Event(EventType.PUT, key, rev, value))
         return Entry(key, value, rev)
 
     def remove(self, key: str) -> None:
-        del self.data[key]
+        self.drop(key)
         self.record(Event(EventType.DELETE, key, self.next_revision()))
+
+    def drop(self, key: str) -> None:
+        """Delete ``key`` from ``data`` and the key index (no event)."""
+        del self.data[key]
+        del self.keys[bisect.bisect_left(self.keys, key)]
+
+    def entries(self, prefix: str) -> list[Entry]:
+        """The entries whose key starts with ``prefix``, sorted by key (O(log n + found))."""
+        keys = self.keys
+        lo = bisect.bisect_left(keys, prefix) if prefix else 0
+        hi = bisect.bisect_left(keys, prefix[:-1] + chr(ord(prefix[-1]) + 1)) if prefix else len(keys)
+        data = self.data
+        return [Entry(k, data[k][0], data[k][1]) for k in keys[lo:hi]]
 
     def check_revision(self, key: str, expected: int) -> tuple[bytes, int, float | None]:
         item = self.live(key)
@@ -84,6 +265,37 @@ class _Keyspace:
                 f"key {key!r} is at revision {item[1]}, not {expected}", key, expected, item[1]
             )
         return item
+
+    def add_waiter(self, waiter: _Waiter) -> None:
+        self.waiters.setdefault(waiter.prefix, set()).add(waiter)
+        if self.timekeeper is None:
+            self.timekeeper = waiter
+
+    def remove_waiter(self, waiter: _Waiter) -> None:
+        """Unregister ``waiter`` (if still registered); hand its timekeeping on."""
+        group = self.waiters.get(waiter.prefix)
+        if group is not None:
+            group.discard(waiter)
+            if not group:
+                del self.waiters[waiter.prefix]
+        if self.timekeeper is waiter:
+            self._hand_off_timekeeping()
+
+    def _hand_off_timekeeping(self) -> None:
+        """The timekeeper leaves: make another waiter the timekeeper and wake it to time its sleep."""
+        self.timekeeper = None
+        for group in self.waiters.values():
+            for waiter in group:
+                self.timekeeper = waiter
+                self.woken.append(waiter)
+                return
+
+    def wake_owner(self, owner: "MemoryBackend") -> None:
+        """Wake the waiters of ``owner`` (it is being closed)."""
+        for group in self.waiters.values():
+            for waiter in group:
+                if waiter.owner is owner:
+                    self.woken.append(waiter)
 
 
 _KEYSPACES: dict[str, _Keyspace] = {}
@@ -111,55 +323,59 @@ class MemoryBackend(KVBackend):
         return f"MemoryBackend(name={self.name!r})"
 
     def _do_get(self, key: str) -> Entry | None:
-        with self._ks.cond:
-            item = self._ks.live(key)
-            return None if item is None else Entry(key, item[0], item[1])
+        # Lock-free when the answer needs no expiry: one dict lookup is atomic, and
+        # writers replace a key's tuple in one assignment, so this sees a state that
+        # existed (the write took effect at that assignment).
+        item = self._ks.data.get(key)
+        if item is not None and item[2] is not None and item[2] <= time.monotonic():
+            with self._ks.guard:
+                item = self._ks.live(key)
+        return None if item is None else Entry(key, item[0], item[1])
 
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
-        with self._ks.cond:
+        with self._ks.guard:
             self._ks.expire()
-            entries = [Entry(k, v[0], v[1]) for k, v in self._ks.data.items() if k.startswith(prefix)]
-            return sorted(entries, key=lambda e: e.key), self._ks.revision
+            return self._ks.entries(prefix), self._ks.revision
 
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
-        with self._ks.cond:
+        with self._ks.guard:
             if self._ks.live(key) is not None:
                 raise KeyExists(f"key {key!r} exists", key)
             return self._ks.write(key, value, ttl)
 
     def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry:
-        with self._ks.cond:
+        with self._ks.guard:
             self._ks.expire()
             return self._ks.write(key, value, ttl)
 
     def _do_compare_and_swap(self, key: str, value: bytes, expected_revision: int, ttl: float | None) -> Entry:
-        with self._ks.cond:
+        with self._ks.guard:
             self._ks.check_revision(key, expected_revision)
             return self._ks.write(key, value, ttl)
 
     def _do_compare_and_delete(self, key: str, expected_revision: int) -> None:
-        with self._ks.cond:
+        with self._ks.guard:
             self._ks.check_revision(key, expected_revision)
             self._ks.remove(key)
 
     def _do_delete(self, key: str) -> bool:
-        with self._ks.cond:
+        with self._ks.guard:
             if self._ks.live(key) is None:
                 return False
             self._ks.remove(key)
             return True
 
     def _do_refresh(self, key: str, ttl: float) -> None:
-        with self._ks.cond:
+        with self._ks.guard:
             item = self._ks.live(key)
             if item is None:
                 raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
             expires = time.monotonic() + ttl
             self._ks.data[key] = (item[0], item[1], expires)
-            heapq.heappush(self._ks.expiries, (expires, key))
+            self._ks.schedule(key, expires)
 
     def _do_add(self, key: str, delta: int) -> int:
-        with self._ks.cond:
+        with self._ks.guard:
             item = self._ks.live(key)
             total = (0 if item is None else parse_counter(key, item[0])) + delta
             self._ks.write(key, str(total).encode("ascii"), None if item is None else _remaining(item[2]))
@@ -168,25 +384,66 @@ class MemoryBackend(KVBackend):
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         deadline = time.monotonic() + timeout
         ks = self._ks
-        with ks.cond:
+        with ks.guard:
+            ks.expire()
+            if ks.history and after_revision < ks.history[0].revision - 1:
+                raise HistoryCompacted(
+                    f"events after revision {after_revision} were compacted "
+                    f"(oldest kept: {ks.history[0].revision})",
+                    prefix,
+                )
+            events = [e for e in _after(ks.history, after_revision) if e.key.startswith(prefix)]
+            if events or timeout <= 0 or self._closed:
+                return events[:WATCH_BATCH]
+            # Nothing yet: every later event is newer than after_revision and is delivered to us.
+            waiter = _Waiter(prefix, self)
+            ks.add_waiter(waiter)
+            wake_at = self._wake_at(waiter, deadline)
+        try:
             while True:
-                ks.expire()
-                if ks.history and after_revision < ks.history[0].revision - 1:
-                    raise HistoryCompacted(
-                        f"events after revision {after_revision} were compacted "
-                        f"(oldest kept: {ks.history[0].revision})",
-                        prefix,
-                    )
-                events = [e for e in _after(ks.history, after_revision) if e.key.startswith(prefix)]
-                now = time.monotonic()
-                if events or now >= deadline or self._closed:
-                    return events
-                wake = deadline if not ks.expiries else min(deadline, ks.expiries[0][0])
-                ks.cond.wait(max(wake - now, 0.0))
+                waiter.wait(wake_at - time.monotonic())
+                if waiter.delivered:  # the fast path: no keyspace lock
+                    return waiter.events
+                with ks.guard:
+                    waiter.close_gate()
+                    if ks.timekeeper is waiter:
+                        ks.expire()  # may deliver to this waiter, too
+                    if waiter.delivered:
+                        return waiter.events
+                    if time.monotonic() >= deadline or self._closed:
+                        return []
+                    wake_at = self._wake_at(waiter, deadline)
+        finally:
+            if not waiter.delivered:
+                with ks.guard:
+                    ks.remove_waiter(waiter)
+            elif waiter.chain:  # pass the wake-up token on
+                try:
+                    waiter.chain.popleft().open()
+                except IndexError:  # the relay is done
+                    pass
+
+    def _wake_at(self, waiter: _Waiter, deadline: float) -> float:
+        """When ``waiter`` must wake on its own: its deadline, or the next expiry if it keeps time."""
+        if self._ks.timekeeper is waiter:
+            next_expiry = self._ks.next_expiry()
+            if next_expiry is not None:
+                return min(deadline, next_expiry)
+        return deadline
 
     def _do_close(self) -> None:
-        with self._ks.cond:
-            self._ks.cond.notify_all()
+        with self._ks.guard:
+            self._ks.wake_owner(self)
+
+
+def _prefixes(key: str) -> list[str]:
+    """Every watch prefix that selects ``key``: ``""`` and each ``"seg/.../"`` above it."""
+    out = [""]
+    start = 0
+    while (slash := key.find("/", start)) != -1:
+        start = slash + 1
+        out.append(key[:start])
+    return out
 
 
 def _after(history: list[Event], revision: int) -> list[Event]:
