@@ -38,7 +38,7 @@ class CasIgnoresRevision(MemoryBackend):
     """``compare_and_swap`` writes whatever revision the caller expected."""
 
     def _do_compare_and_swap(self, key: str, value: bytes, expected_revision: int, ttl: float | None) -> Entry:
-        with self._ks.cond:
+        with self._ks.guard:
             if self._ks.live(key) is None:
                 raise KeyNotFound(f"key {key!r} not found", key)
             return self._ks.write(key, value, ttl)  # BUG: no revision check
@@ -57,7 +57,7 @@ class TtlNeverExpires(MemoryBackend):
         return super()._do_compare_and_swap(key, value, expected_revision, None)  # BUG
 
     def _do_refresh(self, key: str, ttl: float) -> None:
-        with self._ks.cond:
+        with self._ks.guard:
             if self._ks.live(key) is None:
                 raise KeyNotFound(f"key {key!r} not found", key)  # BUG: the TTL is not set
 

@@ -169,11 +169,6 @@ class _Keyspace:
     def __post_init__(self) -> None:
         self.guard = _Guard(self)
 
-    @property
-    def cond(self) -> _Guard:
-        """``guard`` under the name subclasses such as ``conformance_tests/broken.py`` use."""
-        return self.guard
-
     def next_revision(self) -> int:
         self.revision += 1
         return self.revision
