@@ -1,4 +1,4 @@
-"""What the etcd v2 and v3 backends share: URL settings, TTL rounding, deadlines, endpoints.
+"""What the etcd v2 and v3 backends share: URL settings, TTL rounding, deadlines, endpoints, ``add``.
 
 Nothing here imports an etcd client library, so the plugin modules that import
 this one stay importable without ``python-etcd`` or ``python3-etcd3``.
@@ -12,18 +12,29 @@ Query keys: ``protocol`` (``http``/``https``; default ``http``), ``cacert``
 certificate and its private key; the seed's names), ``operation_timeout``
 (seconds, default :data:`DEFAULT_OPERATION_TIMEOUT`; a dead or silent server
 raises :class:`~rdzv_core.errors.BackendUnavailable` within about that time).
+
+Attempts: one operation's deadline is shared by several attempts of its
+request (:meth:`Deadline.attempt`), because an etcd member can hold a request
+for its own request timeout (5 s plus two election timeouts) -- a write sent to
+a follower just after the leader died is forwarded to the dead leader and lost
+-- while a new leader serves within about a second. Every request may be sent
+again after such an attempt; for the writes that repeating could apply twice
+(compare-guarded ones), :class:`Tries` tells the operation that an earlier
+attempt may have been applied, so it can read a conflict answer correctly.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable, cast
 
-from rdzv_core.errors import InvalidURLError
+from rdzv_core.errors import BackendTimeout, InvalidURLError, KVError
 from rdzv_core.url import Converter, RendezvousURL, to_str
 
 __all__ = [
@@ -35,7 +46,13 @@ __all__ = [
     "Endpoints",
     "Deadline",
     "FailureBudget",
+    "MIN_ATTEMPT",
+    "RaceRetry",
+    "Tries",
+    "AddCombiner",
+    "may_have_applied",
     "ttl_seconds",
+    "unreachable",
 ]
 
 #: etcd's client port, for hosts given without one.
@@ -45,6 +62,9 @@ DEFAULT_OPERATION_TIMEOUT = 10.0
 #: Largest value either etcd backend accepts (bytes). Fits etcd's default
 #: ``--max-request-bytes`` (1.5 MiB) even base64-encoded in a v2 form body.
 MAX_VALUE_BYTES = 1024 * 1024
+
+#: Shortest time one attempt of a request gets (seconds); see :meth:`Deadline.attempt`.
+MIN_ATTEMPT = 0.5
 
 _BACKOFF_FIRST = 0.05
 _BACKOFF_CAP = 1.0
@@ -142,7 +162,7 @@ def ttl_seconds(ttl: float) -> int:
 
 
 class Deadline:
-    """An absolute ``time.monotonic()`` deadline.
+    """An absolute ``time.monotonic()`` deadline, shared by the attempts of an operation.
 
     Args:
         seconds: time from now (float >= 0).
@@ -150,7 +170,8 @@ class Deadline:
 
     def __init__(self, seconds: float) -> None:
         self.at = time.monotonic() + seconds
-        self._attempt = 0
+        self._backoffs = 0
+        self._attempt_cap = max(MIN_ATTEMPT, seconds / 3)
 
     def remaining(self) -> float:
         """Seconds left (0.0 once passed)."""
@@ -158,6 +179,21 @@ class Deadline:
 
     def expired(self) -> bool:
         return time.monotonic() >= self.at
+
+    def attempt(self) -> float:
+        """Seconds the next attempt of a request may take (0.0 once the deadline passed).
+
+        ``min(remaining, cap)``: the cap starts at ``max(MIN_ATTEMPT, seconds / 3)``
+        and doubles with each attempt that ran out of time (:meth:`timed_out`), so
+        a request held by one etcd member is sent again (to the next endpoint)
+        well before the deadline, and a server that is merely slow still gets the
+        time it needs.
+        """
+        return min(self.remaining(), self._attempt_cap)
+
+    def timed_out(self) -> None:
+        """Note that an attempt used up its :meth:`attempt` time: the next one gets twice as long."""
+        self._attempt_cap *= 2
 
     def failed(self) -> None:
         """Note a transport failure (see :class:`FailureBudget`); a plain deadline ignores it."""
@@ -171,8 +207,8 @@ class Deadline:
         remaining = self.remaining()
         if remaining <= 0:
             return False
-        cap = min(_BACKOFF_CAP, _BACKOFF_FIRST * (2**self._attempt))
-        self._attempt += 1
+        cap = min(_BACKOFF_CAP, _BACKOFF_FIRST * (2**self._backoffs))
+        self._backoffs += 1
         time.sleep(min(remaining, random.uniform(cap / 2, cap)))
         return True
 
@@ -196,6 +232,54 @@ class FailureBudget(Deadline):
         if not self._started:
             self._started = True
             self.at = min(self.cap.at, time.monotonic() + self.seconds)
+
+
+class Tries:
+    """What the transport tells a compare-guarded write about the attempts of its request.
+
+    Every request is sent again after an attempt that failed (until the
+    operation's deadline). For a compare-guarded write (``create``, the
+    compare-and-* writes, ``add``'s compare-and-swap) an attempt that timed out
+    or lost its connection may still have been applied, and then a later
+    attempt meets the write's own result as a conflict (``KeyExists``,
+    ``CompareFailed``). The operation reads such a conflict with two facts:
+
+    * ``seen``: the highest revision the backend had seen before the first
+      attempt. Any write the request makes gets a higher revision, so state at
+      revision ``<= seen`` predates it: the conflict is genuine.
+    * ``maybe_applied``: set by the transport when an attempt failed after it
+      may have reached etcd. Without it a conflict is always genuine, and a
+      success after it proves no earlier attempt was applied (it would have
+      changed what the write compares; for ``create``: unless the key it made
+      was deleted, or expired, between the attempts).
+
+    Attributes:
+        seen: a revision (int).
+        maybe_applied: bool, ``False`` until the transport sets it.
+    """
+
+    __slots__ = ("seen", "maybe_applied")
+
+    def __init__(self, seen: int) -> None:
+        self.seen = seen
+        self.maybe_applied = False
+
+    def predates(self, revision: int) -> bool:
+        """Whether state at ``revision`` existed before this request's first attempt was sent."""
+        return revision <= self.seen
+
+
+def may_have_applied(what: str, key: str) -> BackendTimeout:
+    """The error for a compare-guarded write whose outcome the backend cannot tell.
+
+    An attempt may have been applied and a later attempt met a conflict that
+    is not provably genuine (state written after the request was first sent,
+    not recognisably this write's own).
+    """
+    return BackendTimeout(
+        f"{what} was retried after an attempt that may have been applied, and the retry found {key!r} changed "
+        "by a write after it was first sent: it may or may not have taken effect; re-read the key", key
+    )
 
 
 class Endpoints:
@@ -229,3 +313,189 @@ class Endpoints:
         """Prefer ``index`` from now on."""
         with self._lock:
             self._current = index
+
+
+def unreachable(settings: EtcdSettings, what: str, last: BaseException | None) -> str:
+    """The message for "no endpoint could be reached": names every endpoint (never the password).
+
+    Args:
+        settings: the backend's settings (their :meth:`~EtcdSettings.describe` lists the endpoints).
+        what: the operation, e.g. ``"get 'a/b'"``.
+        last: the last transport error seen, or ``None``.
+    """
+    count = len(settings.endpoints)
+    which = "the etcd endpoint" if count == 1 else f"any of the {count} etcd endpoints"
+    detail = f" (last error: {last})" if last is not None else ""
+    return (f"cannot reach {which} {settings.describe()} for {what} within "
+            f"operation_timeout={settings.operation_timeout:g} s{detail}; is etcd running there?")
+
+
+class RaceRetry:
+    """When to retry an optimistic read-modify-write that lost a race (``add``'s loop).
+
+    A lost compare-and-swap whose answer shows the key in a state other than the
+    one the attempt assumed means another writer succeeded: the system made
+    progress, so the loser retries *at once* with the state the answer carried
+    (no sleep: a sleep only lets the key move further). An attempt that fails
+    without progress -- the answer shows the very state the attempt assumed,
+    which a compare on the key's revision should never give, so this is a
+    safety net against spinning -- retries once at once and then backs off
+    with :meth:`Deadline.backoff` (jittered, 50 ms doubling to 1 s). Nothing
+    retries past the operation's deadline.
+
+    Cost: N clients (not threads of one backend object, which
+    :class:`AddCombiner` merges) arriving at one counter at the same instant
+    make about N^2/2 attempts in all, each answered at once by etcd.
+
+    Args:
+        deadline: the operation's :class:`Deadline`.
+    """
+
+    def __init__(self, deadline: Deadline) -> None:
+        self.deadline = deadline
+        self.attempts = 0
+        self._stalls = 0
+
+    def again(self, progressed: bool) -> bool:
+        """Note a lost attempt; return ``False`` (without sleeping) once the deadline has passed.
+
+        Args:
+            progressed: the key's state moved since the attempt's assumption.
+        """
+        self.attempts += 1
+        if self.deadline.expired():
+            return False
+        if progressed:
+            self._stalls = 0
+            return True
+        self._stalls += 1
+        return True if self._stalls == 1 else self.deadline.backoff()
+
+
+class _Waiter:
+    """One ``add`` call queued in an :class:`AddCombiner`."""
+
+    __slots__ = ("delta", "deadline", "done", "lead", "result", "error")
+
+    def __init__(self, delta: int, deadline: Deadline) -> None:
+        self.delta = delta
+        self.deadline = deadline
+        self.done = threading.Event()
+        self.lead = False
+        self.result: int | None = None
+        self.error: BaseException | None = None
+
+
+class AddCombiner:
+    """Combines concurrent ``add`` calls of one backend object on one key into one write.
+
+    etcd has no atomic increment: ``add`` is a compare-and-swap loop, and N
+    threads adding to one hot counter (the rendezvous' join and confirm
+    tickets, with many agents in one process sharing a backend) would make
+    about N^2/2 attempts. Instead, the first caller for a key becomes its
+    *leader*: it applies its own delta plus the deltas of every call queued
+    for that key meanwhile as ONE compare-and-swap of their sum, then hands
+    each queued caller its result (the value before the write plus the running
+    sum of deltas in queue order) and passes leadership to the next queued
+    call ("flat combining", Hendler, Incze, Shavit and Tzafrir, SPAA 2010).
+
+    The combined calls are linearizable: all of them are in progress when the
+    one write takes effect, and they take effect at that instant in queue
+    order (each gets a distinct result; no intermediate value is observable).
+    Watchers see one ``PUT`` for the batch. A failed write fails every call of
+    its batch with the same error (so none of them took effect, or -- for a
+    timeout that etcd may still apply -- all of them may have).
+
+    Deadlines: a batch runs under the deadline of its leader, the batch's
+    oldest call, so no call waits past its own deadline for its batch; a call
+    still queued when its deadline passes leaves the queue and raises
+    :class:`~rdzv_core.errors.BackendTimeout` having written nothing.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, list[_Waiter]] = {}  # key -> calls waiting; present while a leader runs
+
+    def add(self, key: str, delta: int, deadline: Deadline, apply: Callable[[int, Deadline], int]) -> int:
+        """Add ``delta`` to ``key`` through ``apply``, combined with concurrent calls.
+
+        Args:
+            apply: ``apply(total_delta, deadline)`` adds ``total_delta`` in one
+                atomic write and returns the key's new value (int).
+            deadline: this call's operation deadline.
+
+        Returns:
+            The key's value right after this call's delta was applied.
+
+        Raises:
+            whatever ``apply`` raised for this call's batch;
+            BackendTimeout: the call's deadline passed while it was queued.
+        """
+        me = _Waiter(delta, deadline)
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is None:
+                self._queues[key] = []
+                me.lead = True
+            else:
+                queue.append(me)
+        if not me.lead:
+            self._wait(key, me)
+            if not me.lead:
+                if me.error is not None:
+                    raise _copy_error(me.error)
+                return cast(int, me.result)  # set before ``done``
+        return self._lead(key, me, apply)
+
+    def _wait(self, key: str, me: _Waiter) -> None:
+        """Wait until ``me`` is done or promoted to leader (bounded by its deadline)."""
+        if me.done.wait(me.deadline.remaining() + 0.5):
+            return
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is not None and me in queue:  # never taken into a batch: nothing was written
+                queue.remove(me)
+                raise BackendTimeout(f"add({key!r}) waited past its deadline behind other adds of this process", key)
+        # In a batch whose leader started before us (so its deadline is earlier): it ends soon.
+        if not me.done.wait(me.deadline.remaining() + 30.0):
+            raise BackendTimeout(f"add({key!r}) did not complete in time; it may or may not have taken effect", key)
+
+    def _lead(self, key: str, me: _Waiter, apply: Callable[[int, Deadline], int]) -> int:
+        with self._lock:
+            batch = [me] + self._queues[key]
+            self._queues[key] = []
+        total = sum(w.delta for w in batch)
+        try:
+            value = apply(total, me.deadline)
+        except BaseException as exc:
+            shared: BaseException = exc if isinstance(exc, Exception) else KVError(
+                f"add({key!r}) was interrupted in another thread; it may or may not have taken effect", key
+            )
+            for w in batch[1:]:
+                w.error = shared
+            raise
+        else:
+            running = value - total
+            for w in batch:
+                running += w.delta
+                w.result = running
+            return value - total + me.delta
+        finally:
+            with self._lock:
+                queue = self._queues[key]
+                if queue:
+                    nxt = queue.pop(0)
+                    nxt.lead = True
+                    nxt.done.set()
+                else:
+                    del self._queues[key]
+            for w in batch[1:]:
+                w.done.set()
+
+
+def _copy_error(error: BaseException) -> BaseException:
+    """A copy of ``error`` to raise in another thread (each thread gets its own traceback)."""
+    try:
+        return copy.copy(error).with_traceback(None)
+    except Exception:  # an exception class that cannot be rebuilt from its args: share it
+        return error

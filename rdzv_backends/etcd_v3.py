@@ -26,8 +26,19 @@ Revisions
 Writes
     ``create`` is a transaction ``version(key) == 0 -> put``; ``compare_and_swap``
     and ``compare_and_delete`` are transactions on ``mod_revision(key) ==
-    expected``; ``add`` is a read/transaction loop on ``mod_revision`` with
-    jittered backoff until ``operation_timeout`` (the key keeps its lease).
+    expected``. ``add`` is one transaction per attempt, ``if mod_revision ==
+    R: put(value + delta) else: range(key)``: a lost race answers the current
+    value and revision, and the next attempt is sent at once (no read, no
+    sleep while other writers make progress; jittered backoff only for
+    failures without progress), until ``operation_timeout``. The key keeps
+    its lease. Concurrent ``add`` calls on one key through one backend object
+    (threads sharing a client) are combined into one transaction of their
+    summed deltas (:class:`~rdzv_backends._etcd_common.AddCombiner`), so
+    watchers may see one ``PUT`` for several adds.
+Corrupt data
+    A non-decimal value at a key given to ``add`` raises
+    :class:`~rdzv_core.errors.CorruptEntry` naming the key, having written
+    nothing; ``delete`` removes it like any key.
 TTL: one lease per key
     A write with a TTL grants a new lease of ``ceil(ttl)`` seconds (at least 1)
     and attaches the key to it; the key's previous lease, if any, is revoked.
@@ -49,18 +60,41 @@ Watch
     compaction point answers ``compact_revision``, raised as
     :class:`~rdzv_core.errors.HistoryCompacted`.
 Failures
-    Each operation has ``operation_timeout`` seconds (query key, default 10).
-    An RPC that never reached a server (connection refused, no leader) moves to
-    the next endpoint and, after a round of failures, is retried with jittered
-    backoff until the deadline, then raises
-    :class:`~rdzv_core.errors.BackendConnectionError`. An RPC that may have been
-    applied (deadline exceeded, connection lost, leader changed) is retried only
-    if repeating it is harmless (reads, ``put``, ``delete``, lease grants and
-    keep-alives); transactions (``create``, the compare-and-* writes, ``add``)
-    raise ``BackendTimeout``/``BackendConnectionError`` instead. A watch
-    retries a lost stream for ``operation_timeout`` seconds from the failure
-    (never past its own timeout). gRPC reconnects within 1 s of a server's
-    return (its default backoff would grow to 2 minutes).
+    Each operation has ``operation_timeout`` seconds (query key, default 10),
+    shared by the attempts of its RPCs: one attempt may take
+    ``max(0.5, operation_timeout / 3)`` seconds, twice that after an attempt
+    ran out of time (:meth:`~rdzv_backends._etcd_common.Deadline.attempt`),
+    because a member can hold a request for etcd's own request timeout (5 s
+    and more: a write or linearizable read sent to a follower just after the
+    leader died waits for the dead leader) while a new leader serves within
+    about a second. A failed attempt moves to the next endpoint and, after a
+    round of failures, the RPC is retried with jittered backoff until the
+    deadline. Connection refused everywhere raises one
+    :class:`~rdzv_core.errors.BackendConnectionError` naming every endpoint;
+    other failures raise the last attempt's ``BackendTimeout`` /
+    ``BackendConnectionError`` (each failed attempt is one DEBUG line of this
+    module's logger).
+
+    Every RPC is retried, also after an attempt that may have been applied
+    (deadline exceeded, connection lost, leader changed): reads, ``put``,
+    ``delete``, lease grants (a lease granted twice just runs out unused) and
+    keep-alives may be repeated. A transaction (``create``, the compare-and-*
+    writes, ``add``, ``refresh``'s re-put) cannot be applied twice -- a
+    repetition meets the first one's result as a failed compare -- and reads
+    such an answer with :class:`~rdzv_backends._etcd_common.Tries`: a success,
+    or a failed compare on state older than the request, is the plain answer.
+    A write that gave a TTL recognises its own result for certain (the key is
+    on the write's new lease), one without a TTL when the key is newer than
+    the request, holds the written value and no lease (for ``create``:
+    ``version`` 1) -- a concurrent write of the very same value passes as
+    well. Every other failed compare newer than the request -- for
+    ``compare_and_delete`` and ``add`` every one, as no state proves their own
+    write and ``add`` must not count twice -- raises ``BackendTimeout`` saying
+    that the write may or may not have taken effect.
+
+    A watch retries a lost stream for ``operation_timeout`` seconds from the
+    failure (never past its own timeout). gRPC reconnects within 1 s of a
+    server's return (its default backoff would grow to 2 minutes).
 Auth
     ``USER:PASSWORD@`` in the URL authenticates against etcd's v3 auth; the
     token is renewed when etcd reports it invalid. The password never appears
@@ -71,7 +105,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, NamedTuple, TypeVar
 
 from rdzv_core.errors import (
     BackendClosed,
@@ -94,11 +128,16 @@ from ._etcd_common import (
     DEFAULT_PORT,
     MAX_VALUE_BYTES,
     QUERY_KEYS,
+    AddCombiner,
     Deadline,
     Endpoints,
     EtcdSettings,
     FailureBudget,
+    RaceRetry,
+    Tries,
+    may_have_applied,
     ttl_seconds,
+    unreachable,
 )
 
 __all__ = ["EtcdV3Backend", "plugin"]
@@ -118,9 +157,19 @@ _CHANNEL_OPTIONS = (
 )
 #: Shortest time given to one RPC attempt (seconds).
 _MIN_TRY = 0.05
+#: Counters whose last written state ``add`` remembers per backend object.
+_COUNTER_CACHE = 1024
 #: Details of ``UNAVAILABLE`` errors that mean the request reached no server.
 _NOT_SENT_DETAILS = ("failed to connect", "connection refused", "no leader", "dns resolution failed",
                      "name resolution")
+
+
+class _Counter(NamedTuple):
+    """A counter's state as this backend last saw it: value bytes, ``mod_revision``, lease ID (0: none)."""
+
+    value: bytes
+    revision: int
+    lease: int
 
 
 class _Endpoint:
@@ -198,13 +247,16 @@ class EtcdV3Backend(KVBackend):
         self._endpoints = Endpoints(len(settings.endpoints))
         self._eps = [_Endpoint(host, port, settings) for host, port in settings.endpoints]
         self._token: str | None = None
+        self._seen = 0  # the highest header revision answered so far (see Tries)
         self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it
         self._token_lock = threading.Lock()
+        self._adds = AddCombiner()
+        self._counters: dict[str, _Counter] = {}  # key -> state last written by add (see _add_once)
         try:
             if settings.username is not None:
                 self._authenticate(Deadline(settings.operation_timeout))
             self._call(lambda ep, t, md: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md),
-                       Deadline(settings.operation_timeout), safe=True, what="status")
+                       Deadline(settings.operation_timeout), what="status")
         except BaseException:
             self._do_close()
             raise
@@ -223,7 +275,7 @@ class EtcdV3Backend(KVBackend):
         with self._token_lock:
             try:
                 answer = self._call(lambda ep, t, md: ep.auth.Authenticate(request, timeout=t), deadline,
-                                    safe=True, what="authenticate", reauth=False)
+                                    what="authenticate", reauth=False)
             except _ServerError as exc:
                 if "authentication is not enabled" in exc.details:
                     log.warning("etcd at %s has authentication disabled; ignoring the URL's user %r",
@@ -240,16 +292,20 @@ class EtcdV3Backend(KVBackend):
         rpc: Callable[[_Endpoint, float, Any], T],
         deadline: Deadline,
         *,
-        safe: bool,
         what: str,
         reauth: bool = True,
+        tries: Tries | None = None,
     ) -> T:
         """Run ``rpc(endpoint, timeout, metadata)`` on the endpoints in turn until ``deadline``.
 
+        Each attempt gets :meth:`~rdzv_backends._etcd_common.Deadline.attempt`
+        seconds; every transport failure is retried (see "Failures" in the
+        module docstring).
+
         Args:
-            safe: the RPC may be repeated (a read, or idempotent): retry after any
-                transport failure, not only when the RPC reached no server.
             what: what the RPC does, for error messages.
+            tries: for a compare-guarded transaction: marked when an attempt failed
+                after it may have reached etcd (see :class:`~rdzv_backends._etcd_common.Tries`).
             reauth: renew the auth token once if etcd reports it invalid.
 
         Raises:
@@ -258,11 +314,12 @@ class EtcdV3Backend(KVBackend):
         """
         grpc = self._grpc
         last: BackendUnavailable | None = None
+        refused = True  # every failure so far reached no server
         tried = False  # every call makes at least one attempt, even with no time left
         while True:
             for index in self._endpoints.order():
                 self._check_open()
-                per_try = deadline.remaining()
+                per_try = deadline.attempt()
                 if per_try <= 0 and tried:
                     break
                 tried = True
@@ -289,19 +346,31 @@ class EtcdV3Backend(KVBackend):
                                            details) from None
                     self._endpoints.failed(index)
                     deadline.failed()
+                    if _deadline_exceeded(code, details):
+                        deadline.timed_out()
                     last = error
-                    if not (safe or _not_sent(code, details)):
-                        raise error from None
+                    sent = not _not_sent(code, details)
+                    refused = refused and not sent
+                    if sent and tries is not None:
+                        tries.maybe_applied = True
+                    log.debug("%s", error)  # one line per failed attempt; the caller sees the error
                     continue
                 except ValueError:  # gRPC: "Cannot invoke RPC on closed channel!"
                     if self._closed:
                         raise BackendClosed(f"{type(self).__name__} was closed during {what}") from None
                     raise
                 self._endpoints.worked(index)
+                header = getattr(answer, "header", None)
+                if header is not None and header.revision > self._seen:
+                    self._seen = int(header.revision)  # unlocked: a lost update only makes Tries.seen more cautious
                 return answer
             if last is None:
                 last = BackendTimeout(f"no etcd endpoint of {self.settings.describe()} answered {what} in time")
             if not deadline.backoff():
+                if refused and isinstance(last, BackendConnectionError):
+                    raise BackendConnectionError(unreachable(self.settings, what, last)) from None
+                if tries is not None and tries.maybe_applied and "may or may not" not in str(last):
+                    raise type(last)(f"{last}; it may or may not have taken effect") from None
                 raise last
 
     def _classify(self, ep: _Endpoint, code: Any, details: str, what: str) -> BackendUnavailable | None:
@@ -339,9 +408,9 @@ class EtcdV3Backend(KVBackend):
         return rpc.TxnRequest(compare=[compare.build_message()], success=[op],
                               failure=[rpc.RequestOp(request_range=self._range(key))])
 
-    def _txn(self, request: Any, deadline: Deadline, what: str) -> Any:
+    def _txn(self, request: Any, deadline: Deadline, what: str, tries: Tries | None = None) -> Any:
         return self._call(lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md), deadline,
-                          safe=False, what=what)
+                          what=what, tries=tries)
 
     # -- leases --------------------------------------------------------------------
     def _grant(self, ttl: float | None, deadline: Deadline) -> int:
@@ -350,7 +419,7 @@ class EtcdV3Backend(KVBackend):
             return 0
         request = self._rpc.LeaseGrantRequest(TTL=ttl_seconds(ttl))
         answer = self._call(lambda ep, t, md: ep.lease.LeaseGrant(request, timeout=t, metadata=md), deadline,
-                            safe=True, what="lease grant")
+                            what="lease grant")
         if answer.error:
             raise KVError(f"etcd refused a lease of {ttl_seconds(ttl)} s: {answer.error}")
         if answer.TTL > request.TTL:  # etcd raised it to its minimum lease TTL
@@ -364,7 +433,7 @@ class EtcdV3Backend(KVBackend):
         request = self._rpc.LeaseRevokeRequest(ID=lease)
         try:
             self._call(lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md),
-                       Deadline(min(2.0, deadline.remaining())), safe=True, what="lease revoke")
+                       Deadline(min(2.0, deadline.remaining())), what="lease revoke")
         except (BackendUnavailable, _ServerError) as exc:
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
@@ -377,13 +446,13 @@ class EtcdV3Backend(KVBackend):
                 return int(answer.TTL)
             return 0
 
-        return self._call(rpc, deadline, safe=True, what="lease keep-alive")
+        return self._call(rpc, deadline, what="lease keep-alive")
 
     # -- reads -----------------------------------------------------------------------
     def _get_kv(self, key: str, deadline: Deadline) -> Any | None:
         request = self._range(_k(key))
         answer = self._call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), deadline,
-                            safe=True, what=f"get {key!r}")
+                            what=f"get {key!r}")
         return answer.kvs[0] if answer.kvs else None
 
     def _do_get(self, key: str) -> Entry | None:
@@ -394,7 +463,7 @@ class EtcdV3Backend(KVBackend):
         start, end = _prefix_range(prefix)
         request = self._range(start, end)
         answer = self._call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), self._deadline(),
-                            safe=True, what=f"list {prefix!r}")
+                            what=f"list {prefix!r}")
         entries = [Entry(key, bytes(kv.value), int(kv.mod_revision))
                    for kv in answer.kvs if (key := _key(kv.key)) is not None]
         return entries, int(answer.header.revision)
@@ -407,12 +476,19 @@ class EtcdV3Backend(KVBackend):
         deadline = self._deadline()
         lease = self._grant(ttl, deadline)
         request = self._txn_request(self._cmp.Version(_k(key)) == 0, self._put_request(key, value, lease), _k(key))
+        tries = Tries(self._seen)
         try:
-            answer = self._txn(request, deadline, f"create {key!r}")
+            answer = self._txn(request, deadline, f"create {key!r}", tries)
         except BaseException:
             self._revoke(lease, deadline)
             raise
         if not answer.succeeded:
+            kvs = answer.responses[0].response_range.kvs
+            if tries.maybe_applied and not (kvs and tries.predates(int(kvs[0].create_revision))):
+                if kvs and _own_write(kvs[0], value, lease, tries, created=True):
+                    return Entry(key, value, int(kvs[0].mod_revision))
+                self._revoke(lease, deadline)
+                raise may_have_applied(f"create({key!r})", key)
             self._revoke(lease, deadline)
             raise KeyExists(f"key {key!r} exists", key)
         return Entry(key, value, int(answer.header.revision))
@@ -423,7 +499,7 @@ class EtcdV3Backend(KVBackend):
         request = self._put_request(key, value, lease)
         try:
             answer = self._call(lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline,
-                                safe=True, what=f"put {key!r}")
+                                what=f"put {key!r}")
         except BaseException:
             self._revoke(lease, deadline)
             raise
@@ -448,12 +524,19 @@ class EtcdV3Backend(KVBackend):
         request = self._txn_request(
             self._cmp.Mod(_k(key)) == expected_revision, self._put_request(key, value, lease), _k(key)
         )
+        tries = Tries(self._seen)
         try:
-            answer = self._txn(request, deadline, f"compare_and_swap {key!r}")
+            answer = self._txn(request, deadline, f"compare_and_swap {key!r}", tries)
         except BaseException:
             self._revoke(lease, deadline)
             raise
         if not answer.succeeded:
+            kvs = answer.responses[0].response_range.kvs
+            if tries.maybe_applied and not (kvs and tries.predates(int(kvs[0].mod_revision))):
+                if kvs and _own_write(kvs[0], value, lease, tries):
+                    return Entry(key, value, int(kvs[0].mod_revision))  # the replaced lease just runs out
+                self._revoke(lease, deadline)
+                raise may_have_applied(f"compare_and_swap({key!r})", key)
             self._revoke(lease, deadline)
             raise self._compare_failed(answer, key, expected_revision)
         self._revoke_replaced(answer.responses[0].response_put.prev_kv, lease, deadline)
@@ -465,9 +548,12 @@ class EtcdV3Backend(KVBackend):
             self._rpc.DeleteRangeRequest(key=_k(key), prev_kv=True),
             _k(key),
         )
-        deadline = self._deadline()
-        answer = self._txn(request, deadline, f"compare_and_delete {key!r}")
+        deadline, tries = self._deadline(), Tries(self._seen)
+        answer = self._txn(request, deadline, f"compare_and_delete {key!r}", tries)
         if not answer.succeeded:
+            kvs = answer.responses[0].response_range.kvs
+            if tries.maybe_applied and not (kvs and tries.predates(int(kvs[0].mod_revision))):
+                raise may_have_applied(f"compare_and_delete({key!r})", key)
             raise self._compare_failed(answer, key, expected_revision)
         for prev in answer.responses[0].response_delete_range.prev_kvs:
             self._revoke_replaced(prev, 0, deadline)
@@ -476,7 +562,7 @@ class EtcdV3Backend(KVBackend):
         request = self._rpc.DeleteRangeRequest(key=_k(key), prev_kv=True)
         deadline = self._deadline()
         answer = self._call(lambda ep, t, md: ep.kv.DeleteRange(request, timeout=t, metadata=md),
-                            deadline, safe=True, what=f"delete {key!r}")
+                            deadline, what=f"delete {key!r}")
         for prev in answer.prev_kvs:
             self._revoke_replaced(prev, 0, deadline)
         return int(answer.deleted) > 0
@@ -516,12 +602,16 @@ class EtcdV3Backend(KVBackend):
         request = self._txn_request(
             self._cmp.Mod(_k(key)) == int(kv.mod_revision), self._put_request(key, bytes(kv.value), lease), _k(key)
         )
+        tries = Tries(self._seen)
         try:
-            answer = self._txn(request, deadline, f"refresh {key!r}")
+            answer = self._txn(request, deadline, f"refresh {key!r}", tries)
         except BaseException:
             self._revoke(lease, deadline)
             raise
         if not answer.succeeded:
+            kvs = answer.responses[0].response_range.kvs
+            if tries.maybe_applied and kvs and kvs[0].lease == lease:
+                return True  # an earlier attempt put the key on the new lease
             self._revoke(lease, deadline)
             if not answer.responses[0].response_range.kvs:
                 raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
@@ -530,27 +620,69 @@ class EtcdV3Backend(KVBackend):
         return True
 
     def _do_add(self, key: str, delta: int) -> int:
-        deadline = self._deadline()
+        return self._adds.add(key, delta, self._deadline(), lambda total, dl: self._add_once(key, total, dl))
+
+    def _add_once(self, key: str, delta: int, deadline: Deadline) -> int:
+        """Add ``delta`` to ``key`` in one successful transaction; return the new value.
+
+        Each attempt is ONE transaction ``if mod_revision(key) == R: put(value + delta)
+        else: range(key)`` (``version == 0`` for an absent key): a lost race answers
+        the key's current value and revision, which the next attempt uses at once
+        (:class:`~rdzv_backends._etcd_common.RaceRetry`). The first attempt assumes
+        the state this backend last saw at ``key`` (absent if none), so an add to a
+        counter nobody else touched since costs one round trip.
+
+        Raises:
+            CorruptEntry: the value at ``key`` is not ASCII decimal (nothing written).
+            BackendTimeout: every attempt lost a race until the operation deadline; or an
+                attempt that may have been applied was followed by a lost race, so the add
+                may or may not have taken effect (see ``Tries``; it is never applied twice).
+        """
+        k = _k(key)
+        known = self._counters.get(key)
+        race = RaceRetry(deadline)
         while True:
-            kv = self._get_kv(key, deadline)
-            if kv is None:
-                total = delta
-                compare = self._cmp.Version(_k(key)) == 0
-                put = self._put_request(key, str(total).encode("ascii"), 0)
+            if known is None:
+                total, lease = delta, 0
+                compare = self._cmp.Version(k) == 0
             else:
-                total = parse_counter(key, bytes(kv.value)) + delta
-                compare = self._cmp.Mod(_k(key)) == int(kv.mod_revision)
-                put = self._put_request(key, str(total).encode("ascii"), int(kv.lease))  # keeps its TTL
+                total, lease = parse_counter(key, known.value) + delta, known.lease  # keeps its TTL (lease)
+                compare = self._cmp.Mod(k) == known.revision
+            value = str(total).encode("ascii")
+            tries = Tries(self._seen)
             try:
-                answer = self._txn(self._txn_request(compare, put, _k(key)), deadline, f"add {key!r}")
+                answer = self._txn(self._txn_request(compare, self._put_request(key, value, lease), k), deadline,
+                                   f"add {key!r}", tries)
             except _ServerError as exc:
-                if "lease not found" not in exc.details:  # the key's lease ran out between read and write
+                if "lease not found" not in exc.details:
                     raise
+                current = None  # the key's lease ran out after we saw it: the key is gone with it
             else:
-                if answer.succeeded:
+                if answer.succeeded:  # a success proves that no earlier attempt was applied (see Tries)
+                    self._remember(key, _Counter(value, int(answer.header.revision), lease))
                     return total
-            if not deadline.backoff():  # lost a race: another writer changed the key
-                raise BackendTimeout(f"add({key!r}) lost every race for {self.settings.operation_timeout} s", key)
+                kvs = answer.responses[0].response_range.kvs
+                current = _Counter(bytes(kvs[0].value), int(kvs[0].mod_revision), int(kvs[0].lease)) if kvs else None
+            if tries.maybe_applied and (current is None or not tries.predates(current.revision)):
+                self._counters.pop(key, None)
+                raise may_have_applied(f"add({key!r})", key)  # adding again could count twice
+            progressed, known = current != known, current
+            self._counters.pop(key, None)  # only states this backend wrote are remembered (never corrupt ones)
+            if not race.again(progressed):
+                raise BackendTimeout(
+                    f"add({key!r}) lost {race.attempts} races in a row to other writers of the key within "
+                    f"operation_timeout={self.settings.operation_timeout:g} s", key
+                )
+
+    def _remember(self, key: str, counter: _Counter) -> None:
+        """Note the state ``add`` wrote at ``key`` (a decimal value, so a later add never fails on
+        a remembered state: only on one the server answered).
+
+        Bounded; a stale entry costs one lost attempt, whose answer has the current state.
+        """
+        if len(self._counters) >= _COUNTER_CACHE:
+            self._counters.clear()
+        self._counters[key] = counter
 
     # -- watch -----------------------------------------------------------------------
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
@@ -559,7 +691,7 @@ class EtcdV3Backend(KVBackend):
         poll = Deadline(timeout)
         return self._call(
             lambda ep, t, md: self._watch_once(ep, create, poll, after_revision, md),
-            FailureBudget(self.settings.operation_timeout, poll), safe=True, what=f"watch {prefix!r}",
+            FailureBudget(self.settings.operation_timeout, poll), what=f"watch {prefix!r}",
         )
 
     def _watch_once(self, ep: _Endpoint, create: Any, poll: Deadline, after_revision: int, md: Any) -> list[Event]:
@@ -628,6 +760,22 @@ def _event(ev: Any) -> Event | None:
     if ev.type == 1:  # mvccpb.Event.DELETE
         return Event(EventType.DELETE, key, int(ev.kv.mod_revision))
     return Event(EventType.PUT, key, int(ev.kv.mod_revision), bytes(ev.kv.value))
+
+
+def _own_write(kv: Any, value: bytes, lease: int, tries: Tries, *, created: bool = False) -> bool:
+    """Whether ``kv`` (a conflict's current state) shows the write of ``value`` on ``lease`` by a
+    request whose earlier attempt may have been applied.
+
+    With a TTL the write's lease is new and never shared, so the key being on
+    it proves the write. Without one: newer than the request (``mod_revision``
+    above ``tries.seen``), the written value, no lease, and (for ``create``)
+    unmodified since it was created; a concurrent write of the very same value
+    passes as well.
+    """
+    if lease:
+        return int(kv.lease) == lease
+    return (not tries.predates(int(kv.mod_revision)) and bytes(kv.value) == value and not kv.lease
+            and (not created or int(kv.version) == 1))
 
 
 def _deadline_exceeded(code: Any, details: str) -> bool:

@@ -4,7 +4,9 @@ The shared contract is checked by the conformance suite
 (``pytest --pyargs conformance_tests --rdzv-url 'etcd-v2://{server:etcd}/' ...``);
 here are the etcd-only behaviours: v2 disabled on the server, v2's 1,000-event
 history and v3 compaction, a killed / paused / restarted server, multi-endpoint
-failover, one lease per key, auth, TLS, and the URL settings.
+failover, one lease per key, auth, TLS, the URL settings, storage written by
+other programs (``CorruptEntry``), ``add`` under contention, and what a wrong
+port looks like (one error, no third-party log lines).
 
 Every test that stops or pauses a server starts its own; servers are stopped
 when their fixture ends.
@@ -24,11 +26,12 @@ import pytest
 
 from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.servers import free_port
-from rdzv_backends._etcd_common import Deadline, FailureBudget, ttl_seconds
+from rdzv_backends._etcd_common import AddCombiner, Deadline, FailureBudget, RaceRetry, ttl_seconds
 from rdzv_core import (
     BackendConnectionError,
     BackendTimeout,
     BackendUnavailable,
+    CorruptEntry,
     EventType,
     HistoryCompacted,
     InvalidURLError,
@@ -250,6 +253,85 @@ def test_endpoint_killed_after_use_fails_over(scheme: str, opener: Callable[[str
         second.stop()
 
 
+#: Seconds the proxy holds each chunk in the "answer lost" test: the test must see the write
+#: applied (through a direct client) and drop the connection within this time.
+LATE = 1.0
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_guarded_write_applied_but_answer_lost(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """A write is applied, its answer is lost (the connection is reset first), and the backend retries it.
+
+    Through a :class:`~conformance_tests.proxy.TCPProxy` in ``slow`` mode (every chunk held
+    :data:`LATE` s) each write reaches etcd; a direct client sees it applied; then the proxy
+    resets the connection before the answer passes, and lets the retry through. The retry
+    meets the write's own result: ``create`` (with and without TTL) and ``compare_and_swap``
+    report success with the stored entry; ``add`` and ``compare_and_delete``, which cannot tell
+    their own result from another writer's, either succeed or raise ``BackendTimeout``
+    (never ``CompareFailed``/``KeyNotFound``), and nothing is applied twice.
+    """
+    import uuid
+
+    from conformance_tests.proxy import Mode, TCPProxy
+
+    direct = opener(f"{scheme}://{etcd.address}/")
+    base = f"late{uuid.uuid4().hex[:8]}/"
+    cas = direct.put(base + "cas", b"old")
+    doomed = direct.put(base + "doomed", b"x")
+    direct.add(base + "n", 5)
+    with TCPProxy(etcd.host, etcd.port) as proxy:
+        kv = opener(f"{scheme}://{proxy.address}/?operation_timeout=30")
+        calls: list[tuple[str, Callable[[], object]]] = [
+            ("new", lambda: kv.create(base + "new", b"mine")),
+            ("lease", lambda: kv.create(base + "lease", b"mine", ttl=60)),
+            ("cas", lambda: kv.compare_and_swap(base + "cas", b"new", cas.revision)),
+            ("n", lambda: kv.add(base + "n", 1)),
+            ("doomed", lambda: kv.compare_and_delete(base + "doomed", doomed.revision)),
+        ]
+        outcome: dict[str, object] = {}
+        for name, call in calls:  # one at a time: a slow link delays the chunks of a connection in turn
+            _, after = direct.list(base)
+            proxy.set_mode(Mode.SLOW, delay=LATE)
+            done = threading.Event()
+
+            def run(name: str = name, call: Callable[[], object] = call) -> None:
+                try:
+                    outcome[name] = call()
+                except BaseException as exc:  # judged below
+                    outcome[name] = exc
+                finally:
+                    done.set()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            events = [e for e in direct.watch(base, after, 10 * LATE) if e.key == base + name]
+            answered = done.is_set()
+            proxy.set_mode(Mode.DROP)  # the answer is still held in the proxy: lost
+            proxy.set_mode(Mode.PASS)
+            thread.join(30 + SLACK)
+            assert events and not answered, f"{name}: the write was not applied in time, or answered: {outcome}"
+    assert outcome["new"] == direct.get(base + "new") and direct.get(base + "new").value == b"mine", outcome
+    assert outcome["lease"] == direct.get(base + "lease"), outcome
+    assert outcome["cas"] == direct.get(base + "cas") and direct.get(base + "cas").value == b"new", outcome
+    assert outcome["n"] == 6 or isinstance(outcome["n"], BackendTimeout), outcome
+    assert direct.get(base + "n").value == b"6", "add applied twice (or not at all)"
+    assert outcome["doomed"] is None or isinstance(outcome["doomed"], BackendTimeout), outcome
+    assert direct.get(base + "doomed") is None
+
+
+def test_attempts_get_a_third_of_the_deadline_doubling_after_a_timeout() -> None:
+    deadline = Deadline(9.0)
+    assert 2.9 <= deadline.attempt() <= 3.0
+    deadline.timed_out()
+    assert 5.9 <= deadline.attempt() <= 6.0
+    deadline.timed_out()
+    assert 8.5 <= deadline.attempt() <= 9.0, "never past the deadline"
+    assert Deadline(0.3).attempt() <= 0.3
+    assert Deadline(1.2).attempt() == pytest.approx(0.5, abs=0.01), "at least MIN_ATTEMPT (0.5 s)"
+
+
 # -- TTLs and leases ---------------------------------------------------------------------
 def test_ttl_seconds_rounds_up_to_whole_seconds() -> None:
     assert [ttl_seconds(t) for t in (0.001, 0.5, 1.0, 1.01, 2.0, 29.5)] == [1, 1, 1, 2, 2, 30]
@@ -257,15 +339,19 @@ def test_ttl_seconds_rounds_up_to_whole_seconds() -> None:
 
 def test_v3_one_lease_per_key(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
     """Refreshing one key must not keep another alive, and a key's lease never holds another key."""
+    import json
+
     kv = opener(f"etcd-v3://{etcd.address}/")
-    kv.put("lease/kept", b"1", ttl=3)
-    revision = kv.put("lease/dropped", b"2", ttl=3).revision
-    leases = {_lease_of(etcd, "lease/kept"), _lease_of(etcd, "lease/dropped")}
-    assert len(leases) == 2 and 0 not in leases
-    deadline = time.monotonic() + 3 + list_backends()["etcd-v3"].spec.capabilities.ttl_resolution + SLACK
+    ttl = 6  # long enough for etcdctl to start on a loaded machine before the keys expire
+    kv.put("lease/kept", b"1", ttl=ttl)
+    revision = kv.put("lease/dropped", b"2", ttl=ttl).revision
+    listed = json.loads(_etcdctl(etcd, "get", "--prefix", "/lease/", "-w", "json")).get("kvs") or []
+    leases = {int(item.get("lease", 0)) for item in listed}
+    assert len(listed) == 2 and len(leases) == 2 and 0 not in leases, listed
+    deadline = time.monotonic() + ttl + list_backends()["etcd-v3"].spec.capabilities.ttl_resolution + SLACK
     dropped_at = None
     while dropped_at is None and time.monotonic() < deadline:
-        kv.refresh("lease/kept", 3)
+        kv.refresh("lease/kept", ttl)
         for event in kv.watch("lease/", revision, 0.5):
             revision = event.revision
             if event.key == "lease/dropped" and event.type is EventType.DELETE:
@@ -422,6 +508,14 @@ def test_password_never_shown(scheme: str, etcd: EtcdServer, caplog: pytest.LogC
     assert secret not in caplog.text
 
 
+def test_v2_user_without_password_is_refused_at_open() -> None:
+    """v2 auth is HTTP basic auth: a user needs a password (python-etcd would drop the user silently)."""
+    for url in ("etcd-v2://root@127.0.0.1:1/", "etcd-v2://root:@127.0.0.1:1/"):
+        with pytest.raises(InvalidURLError) as info:
+            open_backend(url)
+        assert info.value.field == "password"
+
+
 # -- auth ---------------------------------------------------------------------------
 def test_v3_auth(own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
     for args in (
@@ -538,3 +632,341 @@ def test_failure_budget_starts_at_first_failure() -> None:
     short = FailureBudget(10.0, Deadline(0.5))
     short.failed()
     assert short.remaining() <= 0.5
+
+
+# -- storage written by other programs: CorruptEntry ---------------------------------------
+def _v2_raw(server: EtcdServer, method: str, node_path: str, **params: str) -> int:
+    """Send a raw v2 request (``node_path`` unquoted, e.g. ``/a/b/!c``); return the HTTP status."""
+    import urllib.error
+    import urllib.parse
+    import urllib.request
+
+    url = f"{server.client_url}/v2/keys{urllib.parse.quote(node_path)}"
+    data = urllib.parse.urlencode(params).encode()
+    if method == "PUT":
+        request = urllib.request.Request(url, data=data, method=method)
+        request.add_header("Content-Type", "application/x-www-form-urlencoded")
+    else:
+        request = urllib.request.Request(url + (f"?{data.decode()}" if params else ""), method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+def _every_operation(kv: KVBackend, key: str, prefix: str) -> list[tuple[str, Callable[[], object]]]:
+    return [
+        ("get", lambda: kv.get(key)),
+        ("list", lambda: kv.list(prefix)),
+        ("put", lambda: kv.put(key, b"v")),
+        ("create", lambda: kv.create(key, b"v")),
+        ("compare_and_swap", lambda: kv.compare_and_swap(key, b"v", 1)),
+        ("compare_and_delete", lambda: kv.compare_and_delete(key, 1)),
+        ("refresh", lambda: kv.refresh(key, 5)),
+        ("add", lambda: kv.add(key, 1)),
+    ]
+
+
+def _assert_corrupt(name: str, call: Callable[[], object], key: str) -> None:
+    error, elapsed = timed(call)
+    assert isinstance(error, CorruptEntry), f"{name}: {error!r}"
+    assert error.key == key, f"{name} named {error.key!r}, not {key!r}"
+    assert elapsed <= OP_TIMEOUT + SLACK, f"{name} took {elapsed:.1f}s: a corrupt key must fail at once"
+
+
+@pytest.mark.parametrize("children", [False, True], ids=["empty-dir", "dir-with-nodes"])
+def test_v2_directory_at_a_key_is_corrupt_and_delete_removes_it(
+    children: bool, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """A v2 directory where a key's value node belongs (``/a/b/!c`` made with ``dir=true``)."""
+    kv = opener(f"etcd-v2://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    prefix = f"v2dir-{children}/"
+    key = prefix + "k"
+    kv.put(prefix + "fine", b"ok")
+    assert _v2_raw(etcd, "PUT", f"/v2dir-{children}/!k", dir="true") == 201
+    if children:
+        assert _v2_raw(etcd, "PUT", f"/v2dir-{children}/!k/x/y", value="z") == 201
+    for name, call in _every_operation(kv, key, prefix):
+        _assert_corrupt(name, call, key)
+    assert kv.get(prefix + "fine").value == b"ok", "other keys stay readable"
+    assert kv.delete(key) is True
+    assert kv.get(key) is None and [e.key for e in kv.list(prefix)[0]] == [prefix + "fine"]
+    assert kv.add(key, 2) == 2 and kv.get(key).value == b"2"
+
+
+def test_v2_non_base64_value_is_corrupt(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"etcd-v2://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    key = "v2text/k"
+    assert _v2_raw(etcd, "PUT", "/v2text/!k", value="plain text!") == 201
+    for name, call in [("get", lambda: kv.get(key)), ("list", lambda: kv.list("v2text/")),
+                       ("add", lambda: kv.add(key, 1))]:
+        _assert_corrupt(name, call, key)
+    assert kv.delete(key) is True and kv.get(key) is None
+
+
+def test_v2_value_node_on_the_path_of_a_key(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """A value node (another program's) where a directory of the key's node path belongs."""
+    kv = opener(f"etcd-v2://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    key = "v2block/sub/k"
+    assert _v2_raw(etcd, "PUT", "/v2block/sub", value="foreign") == 201
+    assert kv.get(key) is None, "no key is stored there"
+    for name, call in [("put", lambda: kv.put(key, b"v")), ("create", lambda: kv.create(key, b"v")),
+                       ("add", lambda: kv.add(key, 1))]:
+        _assert_corrupt(name, call, key)
+    kv.delete(key)
+    assert kv.put(key, b"v").value == b"v", "delete(key) must clear what blocks the key"
+
+
+def test_v2_reset_clears_a_directory_at_a_rendezvous_key(etcd: EtcdServer) -> None:
+    from rdzv_core.cli import main
+
+    run_id = "corruptv2"
+    root = f"/torchelastic/p2p/run_{run_id}"
+    assert _v2_raw(etcd, "PUT", f"{root}/state/!round", dir="true") == 201
+    assert _v2_raw(etcd, "PUT", f"{root}/v_1/!joined", dir="true") == 201
+    url = f"etcd-v2://{etcd.address}/{run_id}?operation_timeout={OP_TIMEOUT}"
+    with open_backend(url) as kv:
+        with pytest.raises(CorruptEntry):
+            kv.get(f"torchelastic/p2p/run_{run_id}/state/round")
+    assert main(["reset", url, "--yes"]) == 0
+    with open_backend(url) as kv:
+        assert kv.list(f"torchelastic/p2p/run_{run_id}/") == ([], kv.list("")[1])
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_non_decimal_counter_is_corrupt_also_when_add_saw_it_before(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """``add`` on a counter another program overwrote with text: CorruptEntry, nothing written, delete works.
+
+    The backend has added to the key before (so it remembers the counter's
+    old state); the garbage is planted behind its back with a raw client.
+    """
+    kv = opener(f"{scheme}://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    key = f"counter-{scheme}/n"
+    assert kv.add(key, 1) == 1
+    if scheme == "etcd-v2":
+        import base64
+
+        assert _v2_raw(etcd, "PUT", f"/counter-{scheme}/!n", value=base64.b64encode(b"abc").decode()) == 200
+    else:
+        import etcd3
+
+        raw = etcd3.client(host=etcd.host, port=etcd.port)
+        try:
+            raw.put(f"/{key}", b"abc")
+        finally:
+            raw.close()
+    planted = kv.get(key)
+    assert planted is not None and planted.value == b"abc"
+    _assert_corrupt("add", lambda: kv.add(key, 1), key)
+    assert kv.get(key) == planted, "a failed add must not write"
+    assert opener(f"{scheme}://{etcd.address}/").delete(key) is True  # e.g. `rdzv reset` in another process
+    assert kv.add(key, 5) == 5, "add must not remember the corrupt value it met"
+
+
+# -- add ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_add_keeps_the_ttl(scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    kv = opener(f"{scheme}://{etcd.address}/")
+    prefix = f"addttl-{scheme}/"
+    _, revision = kv.list(prefix)
+    kv.put(prefix + "n", b"5", ttl=1)
+    assert kv.add(prefix + "n", 1) == 6
+    assert kv.add(prefix + "n", 1) == 7
+    deadline = time.monotonic() + 1 + list_backends()[scheme].spec.capabilities.ttl_resolution + SLACK
+    expired = False
+    while not expired and time.monotonic() < deadline:
+        for event in kv.watch(prefix, revision, 1.0):
+            revision = event.revision
+            expired = expired or event.type is EventType.DELETE
+    assert expired, "add dropped the key's TTL"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_shared_backend_adds_are_atomic_and_combined(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """Many threads adding to one hot counter through ONE backend (agents sharing a client).
+
+    Every add gets a distinct total, none is lost, and concurrent adds share
+    writes (the key's revisions advance less than once per add).
+    """
+    kv = opener(f"{scheme}://{etcd.address}/")
+    key = f"hot-{scheme}/n"
+    threads, per_thread = 64, 5
+    start_revision = kv.put(key, b"0").revision
+    gate = threading.Barrier(threads)
+    results: list[list[int]] = [[] for _ in range(threads)]
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            gate.wait(30)
+            results[i].extend(kv.add(key, 1) for _ in range(per_thread))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert not errors, errors[:3]
+    total = threads * per_thread
+    assert sorted(t for r in results for t in r) == list(range(1, total + 1))
+    final = kv.get(key)
+    assert final.value == str(total).encode()
+    assert final.revision - start_revision < total, "concurrent adds through one backend were not combined"
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_adds_from_many_clients_on_one_counter(
+    scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """32 clients (no combining across them) race on one key: all distinct, none lost, no timeout."""
+    clients = [opener(f"{scheme}://{etcd.address}/") for _ in range(32)]
+    key = f"race-{scheme}/n"
+    gate = threading.Barrier(len(clients))
+    results: list[list[int] | BaseException | None] = [None] * len(clients)
+
+    def work(i: int) -> None:
+        gate.wait(30)
+        try:
+            results[i] = [clients[i].add(key, 1) for _ in range(3)]
+        except BaseException as exc:  # reported below
+            results[i] = exc
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(clients))]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    totals = [r for r in results if isinstance(r, list)]
+    assert len(totals) == len(clients), [r for r in results if not isinstance(r, list)][:3]
+    assert sorted(t for r in totals for t in r) == list(range(1, 3 * len(clients) + 1))
+
+
+def test_race_retry_sleeps_only_without_progress() -> None:
+    race = RaceRetry(Deadline(10.0))
+    started = time.monotonic()
+    assert all(race.again(progressed=True) for _ in range(1000))
+    assert race.again(progressed=False), "the first failure without progress retries at once"
+    assert time.monotonic() - started < 1.0, "lost races with progress must not sleep"
+    assert race.attempts == 1001
+    short = RaceRetry(Deadline(0.3))
+    while short.again(progressed=False):
+        pass
+    assert short.deadline.expired() and short.again(progressed=True) is False
+
+
+def test_add_combiner_batches_waiters_and_shares_errors() -> None:
+    """Calls queued behind a running add form the next batch (one write of their sum); a failed batch
+    fails each of its calls; a call whose deadline passes while queued leaves having written nothing."""
+    combiner = AddCombiner()
+    value = [0]
+    applied: list[int] = []
+    release, entered = threading.Event(), threading.Event()
+
+    def apply(total: int, deadline: Deadline) -> int:  # the "one write" of a batch
+        entered.set()
+        release.wait(10)
+        if total >= 1000:
+            raise CorruptEntry("planted failure", "k")
+        applied.append(total)
+        value[0] += total
+        return value[0]
+
+    out: dict[str, object] = {}
+
+    def call(name: str, delta: int, seconds: float) -> threading.Thread:
+        def run() -> None:
+            try:
+                out[name] = combiner.add("k", delta, Deadline(seconds), apply)
+            except BaseException as exc:  # judged below
+                out[name] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        return thread
+
+    def queued(n: int) -> None:
+        deadline = time.monotonic() + 10
+        while len(combiner._queues.get("k", ())) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(combiner._queues.get("k", ())) == n
+
+    def batch(leader: int, waiters: dict[str, int]) -> None:
+        release.clear()
+        entered.clear()
+        threads = [call("leader", leader, 10.0)]
+        assert entered.wait(10)
+        threads += [call(name, delta, 10.0) for name, delta in waiters.items()]
+        queued(len(waiters))
+        release.set()
+        for t in threads:
+            t.join(10)
+        assert "k" not in combiner._queues, "a leader was left behind"
+
+    release.clear()
+    first = call("first", 1, 10.0)
+    assert entered.wait(10)
+    call("impatient", 7, 0.2).join(10)
+    assert isinstance(out["impatient"], BackendTimeout), out["impatient"]
+    release.set()
+    first.join(10)
+    assert out["first"] == 1 and applied == [1], "the timed-out call must not be applied"
+
+    batch(10, {"a": 2, "b": 3})
+    assert out["leader"] == 11 and applied == [1, 10, 5]
+    assert {out["a"], out["b"]} in ({13, 16}, {14, 16}), out  # distinct, in queue order
+
+    batch(1, {"x": 500, "y": 600})  # x and y are one batch of 1100: it fails for both
+    assert out["leader"] == 17
+    assert all(isinstance(e := out[n], CorruptEntry) and e.key == "k" for n in "xy"), out
+    assert out["x"] is not out["y"], "each thread raises its own exception object"
+    assert value[0] == 17
+
+
+# -- a wrong port: one clear error, no third-party log spam -------------------------------
+@pytest.mark.parametrize("scheme", ["etcd", "etcd-v2", "etcd-v3"])
+def test_connection_refused_is_one_clear_error_without_log_spam(
+    scheme: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = [free_port(), free_port()]
+    secret = "pw-Connref9"
+    url = f"{scheme}://root:{secret}@127.0.0.1:{ports[0]},127.0.0.1:{ports[1]}/job?operation_timeout={OP_TIMEOUT}"
+    caplog.set_level(logging.DEBUG)
+    error, elapsed = timed(lambda: open_backend(url))
+    assert isinstance(error, BackendConnectionError), repr(error)
+    assert elapsed <= OP_TIMEOUT + SLACK, f"the error took {elapsed:.1f}s with operation_timeout={OP_TIMEOUT}"
+    assert all(str(port) in str(error) for port in ports), f"the error must name every endpoint: {error}"
+    assert secret not in str(error) and secret not in caplog.text
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING]  # urllib3, python-etcd, ours, any
+    assert not loud, [f"{r.name}: {r.getMessage()}" for r in loud]
+
+
+def test_v2_many_concurrent_watches_share_one_backend_quietly(
+    etcd: EtcdServer, opener: Callable[[str], KVBackend], caplog: pytest.LogCaptureFixture
+) -> None:
+    """64 threads watching through one v2 backend at once: no connection is discarded (pool sizing)."""
+    kv = opener(f"etcd-v2://{etcd.address}/")
+    _, revision = kv.list("quiet/")
+    caplog.set_level(logging.WARNING, logger="urllib3")
+    results: list[object] = []
+
+    def watch() -> None:
+        try:
+            results.append(kv.watch("quiet/", revision, 2.0))
+        except BaseException as exc:  # judged below
+            results.append(exc)
+
+    threads = [threading.Thread(target=watch) for _ in range(64)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(2.0 + SLACK + 10)
+    assert results == [[]] * 64
+    assert kv.put("quiet/k", b"v").value == b"v"
+    assert not [r for r in caplog.records if r.name.startswith("urllib3")], caplog.text
