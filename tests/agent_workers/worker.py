@@ -72,7 +72,7 @@ def main() -> int:
         record["child_pid"] = child.pid
     write_record(args.out, rank, record)
     if args.allreduce:
-        record["allreduce"] = allreduce(rank)
+        record["allreduce"] = allreduce(rank, keep_group=args.fail_rank == rank)
         write_record(args.out, rank, record)
 
     if args.print:
@@ -111,8 +111,13 @@ def write_record(out: str, rank: int, record: dict) -> None:
     os.replace(tmp, os.path.join(out, f"{rank}-{os.getpid()}.json"))
 
 
-def allreduce(rank: int) -> int:
-    """Join the process group (env://, gloo) and return the sum of RANK+1 over all ranks."""
+def allreduce(rank: int, keep_group: bool = False) -> int:
+    """Join the process group (env://, gloo) and return the sum of RANK+1 over all ranks.
+
+    The group is destroyed afterwards unless ``keep_group`` (a rank about to fail keeps it, so
+    torch prefixes its traceback with ``[rankN]:``); a rank that exits with the group still up
+    while a peer is gone may abort in gloo's destructor, racing the failure under test.
+    """
     from datetime import timedelta
 
     import torch
@@ -121,6 +126,8 @@ def allreduce(rank: int) -> int:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     value = torch.tensor([rank + 1])
     dist.all_reduce(value)
+    if not keep_group:
+        dist.destroy_process_group()
     return int(value.item())
 
 
