@@ -6,6 +6,7 @@ Servers that a test kills or pauses are its own (function scope); the others are
 
 from __future__ import annotations
 
+import shlex
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ from rdzv_core import (
     BackendTimeout,
     BackendUnavailable,
     CompareFailed,
+    CorruptEntry,
     Event,
     EventType,
     HistoryCompacted,
@@ -136,9 +138,10 @@ def test_registered_with_declared_capabilities() -> None:
 
 
 def test_url_defaults_and_query_keys() -> None:
-    _, url = parse_backend_url("redis://bob:pw@example.org/run1?db=3&namespace=team-a&operation_timeout=2.5")
+    _, url = parse_backend_url("redis://bob:pw@example.org/run1?db=3&namespace=team-a&operation_timeout=2.5"
+                               "&max_connections=8")
     assert url.hosts == (("example.org", 6379),)
-    assert url.params == {"db": 3, "namespace": "team-a", "operation_timeout": 2.5}
+    assert url.params == {"db": 3, "namespace": "team-a", "operation_timeout": 2.5, "max_connections": 8}
     assert (url.username, url.password) == ("bob", "pw")
 
 
@@ -149,6 +152,8 @@ def test_url_defaults_and_query_keys() -> None:
         ("redis:///run", "host"),
         ("redis://h/run?db=-1", "db"),
         ("redis://h/run?db=x", "db"),
+        ("redis://h/run?max_connections=0", "max_connections"),
+        ("redis://h/run?max_connections=many", "max_connections"),
         ("redis://h/run?namespace=", "namespace"),
         ("redis://h/run?cacert=/tmp/ca.pem", "cacert"),
         ("redis://h/run?cert=/tmp/c.pem", "cert"),
@@ -230,8 +235,9 @@ def test_add_reads_decimal_values_like_parse_counter(server: RedisServer, opened
         assert kv.get(prefix + "k").value == str(parse_counter("k", raw) + 1).encode()
     for raw in [b"", b"1.5", b"0x10", b"+7", b" 7", b"1_0", b"--1", b"one", b"\xff", b"1" * 31]:
         kv.put(prefix + "k", raw)
-        with pytest.raises(KVError):
+        with pytest.raises(CorruptEntry) as info:
             kv.add(prefix + "k", 1)
+        assert info.value.key == prefix + "k"
         assert kv.get(prefix + "k").value == raw  # untouched
     kv.put(prefix + "k", b"9223372036854775807")
     before = kv.get(prefix + "k")
@@ -380,6 +386,396 @@ def test_refresh_extends_server_ttl_without_event(server: RedisServer, opened: C
         kv.refresh(prefix + "k", 1)
 
 
+# -- corrupt storage (issue 7): data another tool wrote -------------------------------------------
+@pytest.fixture
+def fresh(server: RedisServer, opened: Callable[[str], KVBackend]) -> tuple[KVBackend, str]:
+    """A backend on a namespace of its own (corrupting it disturbs no other test), and that namespace's prefix."""
+    ns = "bad-" + uuid.uuid4().hex[:8]
+    return opened(server.url(namespace=ns, operation_timeout="5")), namespace_prefix(ns)
+
+
+#: What another tool may leave at a store key's Redis key (``NSk/KEY``): redis-cli commands after the key.
+DATA_PLANTS = {
+    "list": ("LPUSH", "x"),
+    "set": ("SADD", "x"),
+    "string": ("SET", "x"),
+    "zset": ("ZADD", "1", "x"),
+    "stream": ("XADD", "*", "f", "x"),
+    "hash-foreign": ("HSET", "foo", "bar"),
+    "hash-without-revision": ("HSET", "v", "x"),
+    "hash-non-decimal-revision": ("HSET", "v", "x", "r", "12ab"),
+}
+
+
+def key_ops(kv: KVBackend, key: str) -> dict[str, Callable[[], Any]]:
+    """Every operation on one key."""
+    return {
+        "get": lambda: kv.get(key),
+        "create": lambda: kv.create(key, b"v"),
+        "put": lambda: kv.put(key, b"v"),
+        "put-ttl": lambda: kv.put(key, b"v", ttl=30),
+        "compare_and_swap": lambda: kv.compare_and_swap(key, b"v", 1),
+        "compare_and_delete": lambda: kv.compare_and_delete(key, 1),
+        "refresh": lambda: kv.refresh(key, 30),
+        "add": lambda: kv.add(key, 1),
+    }
+
+
+def snapshot(server: RedisServer, ns: str) -> dict[str, Any]:
+    """Every Redis key of namespace ``ns`` with its type and content (to show that nothing was written)."""
+    out: dict[str, Any] = {}
+    for name in sorted(raw(server, "KEYS", ns.replace("[", "\\[") + "*")):
+        kind = raw(server, "TYPE", name)
+        dump = {b"string": ("GET",), b"list": ("LRANGE", 0, -1), b"set": ("SMEMBERS",), b"hash": ("HGETALL",),
+                b"zset": ("ZRANGE", 0, -1, "WITHSCORES"), b"stream": ("XRANGE", "-", "+")}[kind]
+        out[name.decode()] = (kind, raw(server, dump[0], name, *dump[1:]))
+    return out
+
+
+@pytest.mark.parametrize("indexed", [False, True], ids=["unindexed", "indexed"])
+@pytest.mark.parametrize("plant", sorted(DATA_PLANTS))
+def test_wrong_data_at_a_key_is_corrupt_entry_and_delete_recovers(server: RedisServer, fresh: tuple[KVBackend, str],
+                                                                   plant: str, indexed: bool) -> None:
+    """Every operation meeting it raises CorruptEntry naming the key and writes nothing; delete clears it."""
+    kv, ns = fresh
+    key = "run/state/round"
+    if indexed:  # a key this backend wrote, then overwritten by another tool
+        kv.put(key, b"ours")
+        raw(server, "DEL", ns + "k/" + key)
+    raw(server, DATA_PLANTS[plant][0], ns + "k/" + key, *DATA_PLANTS[plant][1:])
+    before = snapshot(server, ns)
+    for name, op in key_ops(kv, key).items():
+        with pytest.raises(CorruptEntry) as info:
+            op()
+        assert info.value.key == key, name
+        assert snapshot(server, ns) == before, f"{name} wrote something"
+    if indexed:  # list meets it too (unindexed, list does not see it at all)
+        with pytest.raises(CorruptEntry) as info:
+            kv.list("run/")
+        assert info.value.key == key
+    else:
+        assert kv.list("run/")[0] == []
+    _, revision = kv.list("nothing/")
+    assert kv.delete(key) is True
+    assert kv.get(key) is None and kv.list("run/")[0] == []
+    entry = kv.put(key, b"fresh")
+    assert kv.get(key) == entry and kv.list("run/")[0] == [entry] and kv.add("run/n", 2) == 2
+    assert [e.type for e in kv.watch("run/", revision, 0) if e.key == key] == [DELETE, PUT]
+
+
+def test_reset_style_cleanup_deletes_every_corrupt_key(server: RedisServer, fresh: tuple[KVBackend, str]) -> None:
+    """``list`` names one corrupt key at a time; deleting each (as ``rdzv reset`` does) empties the prefix."""
+    kv, ns = fresh
+    keys = [f"run/k{i}" for i in range(4)]
+    for key in keys:
+        kv.put(key, b"ours")
+    for key, plant in zip(keys[:3], ("list", "string", "hash-without-revision"), strict=True):
+        raw(server, "DEL", ns + "k/" + key)
+        raw(server, DATA_PLANTS[plant][0], ns + "k/" + key, *DATA_PLANTS[plant][1:])
+    named = []
+    while True:
+        try:
+            entries, _ = kv.list("run/")
+            break
+        except CorruptEntry as exc:
+            assert exc.key not in named and exc.key is not None
+            named.append(exc.key)
+            assert kv.delete(exc.key)
+    assert sorted(named) == keys[:3] and [e.key for e in entries] == [keys[3]]
+
+
+def run_advice(server: RedisServer, exc: CorruptEntry) -> None:
+    """Run the ``redis-cli`` command that ends the message of a bookkeeping CorruptEntry."""
+    argv = shlex.split(str(exc)[str(exc).rindex("redis-cli "):])
+    assert argv[:7] == ["redis-cli", "-h", server.host, "-p", str(server.port), "-n", "0"], argv
+    raw(server, *argv[7:])
+
+
+#: Corrupt bookkeeping: (redis-cli commands, with NS for the namespace; the operations that meet it).
+WRITES = ("put", "create", "add", "delete-present")
+BOOK_PLANTS: dict[str, tuple[list[tuple[str, ...]], tuple[str, ...]]] = {
+    "rev-list": ([("DEL", "NS#rev"), ("LPUSH", "NS#rev", "7")], WRITES + ("list", "watch")),
+    "rev-not-decimal": ([("SET", "NS#rev", "12ab")], WRITES + ("list", "watch")),
+    "rev-too-big": ([("SET", "NS#rev", "9" * 40)], WRITES + ("list", "watch")),
+    "epoch-not-decimal": ([("SET", "NS#epoch", "x")], ("watch",)),
+    "log-string": ([("DEL", "NS#log"), ("SET", "NS#log", "x")], WRITES + ("watch",)),
+    "log-foreign-entry": ([("XADD", "NS#log", "*", "foo", "bar")], ("watch",)),
+    "log-ahead": ([("XADD", "NS#log", "99999999999999999-0", "t", "p", "k", "a", "p", "0", "v", "x")], WRITES),
+    "keys-string": ([("DEL", "NS#keys"), ("SET", "NS#keys", "x")], WRITES + ("list", "watch", "delete-absent")),
+    "keys-stray-member": ([("ZADD", "NS#keys", "0", "not a key")], ("list",)),
+    "keys-binary-member": ([("ZADD", "NS#keys", "0", "\x00\xff")], ("list",)),
+    "keys-score": ([("ZADD", "NS#keys", "5", "run/a")], ("list",)),
+    "ttl-list": ([("DEL", "NS#ttl"), ("LPUSH", "NS#ttl", "x")], WRITES + ("list", "watch", "delete-absent")),
+    "ttl-stray-member": ([("ZADD", "NS#ttl", "0", "not a key")], WRITES + ("list", "watch", "delete-absent")),
+}
+
+
+@pytest.mark.parametrize("plant", sorted(BOOK_PLANTS))
+def test_corrupt_bookkeeping_names_the_redis_key_and_its_removal_recovers(
+        server: RedisServer, fresh: tuple[KVBackend, str], plant: str) -> None:
+    """Each operation meeting it raises CorruptEntry(key=None) at once, writing nothing; running the
+    redis-cli command at the end of the message (DEL or ZREM) makes every operation work again."""
+    kv, ns = fresh
+    kv.put("run/a", b"1")
+    kv.put("run/b", b"2", ttl=60)
+    commands, meeting = BOOK_PLANTS[plant]
+    for command in commands:
+        raw(server, *(part.replace("NS", ns) for part in command))
+    ops: dict[str, Callable[[], Any]] = {
+        "put": lambda: kv.put("run/c", b"3"),
+        "create": lambda: kv.create("run/d", b"4"),
+        "add": lambda: kv.add("run/n", 1),
+        "delete-present": lambda: kv.delete("run/a"),
+        "delete-absent": lambda: kv.delete("run/none"),
+        "list": lambda: kv.list(""),
+        "watch": lambda: kv.watch("run/", 0, PATIENCE),
+    }
+    before = snapshot(server, ns)
+    error: CorruptEntry | None = None
+    for name in meeting:
+        started = time.monotonic()
+        with pytest.raises(CorruptEntry) as info:
+            ops[name]()
+        assert time.monotonic() - started < 2.0, f"{name} took long"
+        assert info.value.key is None, name
+        assert snapshot(server, ns) == before, f"{name} wrote something"
+        error = info.value
+    assert error is not None
+    run_advice(server, error)
+    entries, revision = kv.list("")
+    assert kv.put("run/c", b"3").value == b"3" and kv.add("run/n", 5) == 5
+    assert kv.get("run/c").value == b"3" and {e.key for e in kv.list("run/")[0]} >= {"run/c", "run/n"}
+    assert [e.key for e in kv.watch("run/", revision, PATIENCE)] == ["run/c", "run/n"]
+
+
+def test_corrupt_bookkeeping_fails_a_waiting_watch_instead_of_hanging(server: RedisServer,
+                                                                      fresh: tuple[KVBackend, str]) -> None:
+    """The listener sweeps at TTL deadlines; if it meets corrupt bookkeeping there, the watch gets it."""
+    kv, ns = fresh
+    _, revision = kv.list("")
+    outcome: list[Any] = []
+    thread = threading.Thread(target=lambda: outcome.append(_catch(lambda: kv.watch("quiet/", revision, PATIENCE))))
+    thread.start()
+    kv.put("other/k", b"v", ttl=0.3)  # the listener will sweep at its deadline...
+    raw(server, "ZADD", ns + "#ttl", "0", "not a key")  # ...and meet this first
+    thread.join(PATIENCE + 5)
+    assert len(outcome) == 1 and isinstance(outcome[0], CorruptEntry) and outcome[0].key is None
+
+
+def _catch(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except Exception as exc:  # the outcome under test
+        return exc
+
+
+# -- watch wake-ups and the connection pool (issue 6) -----------------------------------------------
+def evalsha_calls(server: RedisServer) -> int:
+    """Scripts the server ran so far (all clients; not counting NOSCRIPT answers, which make redis-py load one)."""
+    with redis.Redis(host=server.host, port=server.port, socket_timeout=PATIENCE) as client:
+        stats = client.info("commandstats")["cmdstat_evalsha"]
+    return int(stats["calls"]) - int(stats.get("failed_calls", 0)) - int(stats.get("rejected_calls", 0))
+
+
+def test_a_watch_sleeps_through_events_under_other_prefixes(server: RedisServer, fresh: tuple[KVBackend, str]) -> None:
+    """200 writes elsewhere do not wake a waiting watch (the server runs no poll for it), one under its prefix does."""
+    kv, _ = fresh
+    writer = open_backend(server.url(namespace=kv.namespace))
+    try:
+        _, revision = kv.list("")
+        before = evalsha_calls(server)
+        woke: list[list[Event]] = []
+        thread = threading.Thread(target=lambda: woke.append(kv.watch("mine/", revision, PATIENCE * 3)))
+        thread.start()
+        for i in range(200):
+            writer.put(f"other/k{i % 10}", b"x")
+        # The writer's 200 scripts; the watcher's poll, a second poll after subscribing, one sweep
+        # (and slack). Woken by every event, it would run about 200 more.
+        assert evalsha_calls(server) - before <= 200 + 5
+        assert not woke
+        entry = writer.put("mine/k", b"y")
+        thread.join(PATIENCE)
+        assert woke == [[Event(PUT, "mine/k", entry.revision, b"y")]]
+    finally:
+        writer.close()
+
+
+def command_calls(server: RedisServer, command: str) -> int:
+    """How often the server ran ``command`` so far (scripts' calls included)."""
+    with redis.Redis(host=server.host, port=server.port, socket_timeout=PATIENCE) as client:
+        return int(client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_a_woken_watch_does_not_rescan_other_prefixes(server: RedisServer, fresh: tuple[KVBackend, str]) -> None:
+    """After 2,000 events elsewhere, the event under its prefix costs the waiting watch one short scan
+    of the log (XRANGE), not the eight that reading past the 2,000 would take."""
+    kv, ns = fresh
+    writer = open_backend(server.url(namespace=kv.namespace))
+    try:
+        _, revision = kv.list("")
+        woke: list[list[Event]] = []
+        thread = threading.Thread(target=lambda: woke.append(kv.watch("mine/", revision, PATIENCE * 3)))
+        thread.start()
+        deadline = time.monotonic() + PATIENCE
+        while raw(server, "PUBSUB", "NUMSUB", ns + "#w:mine/")[1] == 0:  # subscribed
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        for i in range(2000):
+            writer.put(f"other/k{i % 10}", b"x")
+        before = command_calls(server, "xrange")
+        entry = writer.put("mine/k", b"y")
+        thread.join(PATIENCE)
+        assert woke == [[Event(PUT, "mine/k", entry.revision, b"y")]]
+        assert command_calls(server, "xrange") - before <= 2
+    finally:
+        writer.close()
+
+
+def test_a_watch_on_an_announced_prefix_starts_where_its_events_are(server: RedisServer,
+                                                                    fresh: tuple[KVBackend, str]) -> None:
+    """Once a prefix's channel has announced every event after a revision, a new watch from there
+    neither misses an event written before it began nor scans the 2,000 events of other prefixes."""
+    kv, _ = fresh
+    writer = open_backend(server.url(namespace=kv.namespace))
+    try:
+        _, start = kv.list("")
+        assert kv.watch("mine/", start, 0.3) == []  # subscribes; its polls read the log after that
+        for i in range(2000):
+            writer.put(f"other/k{i % 10}", b"x")
+        before = command_calls(server, "xrange")
+        first = writer.put("mine/a", b"1")  # announced before the next watch begins, or while it waits
+        assert kv.watch("mine/", start, PATIENCE) == [Event(PUT, "mine/a", first.revision, b"1")]
+        assert command_calls(server, "xrange") - before <= 1
+        second = writer.put("mine/b", b"2")
+        assert kv.watch("mine/", start, PATIENCE) == [Event(PUT, "mine/a", first.revision, b"1"),
+                                                      Event(PUT, "mine/b", second.revision, b"2")]
+        assert kv.watch("mine/", second.revision, 0.2) == []
+    finally:
+        writer.close()
+
+
+def test_many_waiting_watches_share_a_small_pool(server: RedisServer, opened: Callable[[str], KVBackend]) -> None:
+    """60 threads wait on one backend object with max_connections=2: none fails, each wakes for its own prefix."""
+    ns = "pool-" + uuid.uuid4().hex[:8]
+    clients_before = len(raw(server, "CLIENT", "LIST").splitlines())
+    kv = opened(server.url(namespace=ns, max_connections="2"))
+    _, revision = kv.list("")
+    results: dict[int, Any] = {}
+    ready = threading.Barrier(61)
+
+    def watch(i: int) -> None:
+        ready.wait(PATIENCE)
+        results[i] = _catch(lambda: watch_until(kv, f"p{i % 3}/", revision, bool))
+
+    threads = [threading.Thread(target=watch, args=(i,)) for i in range(60)]
+    for t in threads:
+        t.start()
+    ready.wait(PATIENCE)
+    written = {p: kv.put(f"p{p}/k", str(p).encode()) for p in range(3)}
+    for t in threads:
+        t.join(PATIENCE * 2)
+    assert len(results) == 60
+    for i, events in results.items():
+        assert events == [Event(PUT, f"p{i % 3}/k", written[i % 3].revision, str(i % 3).encode())], (i, events)
+    # The pool, the listener and its connection for sweeps.
+    assert len(raw(server, "CLIENT", "LIST").splitlines()) <= clients_before + 2 + 1 + 1
+
+
+def test_backends_share_one_listener_and_a_forgotten_one_is_collectable(server: RedisServer,
+                                                                         prefix: str) -> None:
+    """Backends with the same URL share one listener connection; closing one ends its own watches only;
+    a backend never closed can still be garbage-collected (the shared listener holds no reference)."""
+    import gc
+    import weakref
+
+    ns = "share-" + uuid.uuid4().hex[:8]
+    url, channel = server.url(namespace=ns), namespace_prefix(ns) + "#w:" + prefix
+    one, two = open_backend(url), open_backend(url)
+    try:
+        _, revision = one.list("")
+        outcome: dict[str, Any] = {}
+        threads = [threading.Thread(target=lambda name=name, kv=kv: outcome.update(
+            {name: _catch(lambda: kv.watch(prefix, revision, PATIENCE))})) for name, kv in (("one", one), ("two", two))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + PATIENCE
+        while raw(server, "PUBSUB", "NUMSUB", channel)[1] == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert raw(server, "PUBSUB", "NUMSUB", channel)[1] == 1  # one subscriber for both
+        closed = time.monotonic()
+        one.close()
+        threads[0].join(PATIENCE)
+        assert outcome == {"one": []} and time.monotonic() - closed < 1.0  # two still waits
+        entry = open_backend(url)
+        try:
+            written = entry.put(prefix + "k", b"v")
+        finally:
+            entry.close()
+        threads[1].join(PATIENCE)
+        assert outcome["two"] == [Event(PUT, prefix + "k", written.revision, b"v")]
+    finally:
+        one.close()
+        two.close()
+    forgotten = open_backend(url)
+    assert forgotten.watch(prefix, 0, 0.1)  # the events above; it used the listener
+    ref = weakref.ref(forgotten)
+    del forgotten
+    gc.collect()
+    assert ref() is None
+
+
+def test_refresh_to_an_earlier_deadline_is_seen_by_a_waiting_watch(server: RedisServer,
+                                                                    opened: Callable[[str], KVBackend],
+                                                                    prefix: str) -> None:
+    """The listener sleeps until the earliest TTL deadline; a refresh that moves it earlier wakes it (NS#t)."""
+    watcher, writer = opened(server.url()), opened(server.url())
+    entry = writer.put(prefix + "k", b"v", ttl=60)
+    seen: list[list[Event]] = []
+    thread = threading.Thread(target=lambda: seen.append(watch_until(watcher, prefix, entry.revision, deletes_of)))
+    thread.start()
+    # Until the watcher waits: subscribed, and its polls done (else a poll, not NS#t, reports the deadline;
+    # the outcome is the same, only the path differs).
+    channel, deadline = namespace_prefix(None) + "#w:" + prefix, time.monotonic() + PATIENCE
+    while raw(server, "PUBSUB", "NUMSUB", channel)[1] == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    calls = -1
+    while calls != (calls := evalsha_calls(server)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    refreshed = time.monotonic()
+    writer.refresh(prefix + "k", 0.2)
+    thread.join(PATIENCE * 2)
+    assert seen and [(e.type, e.key) for e in seen[0]] == [(DELETE, prefix + "k")]
+    assert time.monotonic() - refreshed < 0.2 + CAPABILITIES.ttl_resolution + 1.0
+
+
+def test_a_new_earliest_deadline_is_announced(server: RedisServer, fresh: tuple[KVBackend, str]) -> None:
+    """NS#t gets a message when a write or refresh makes its key's deadline the earliest, and only then."""
+    kv, ns = fresh
+    with redis.Redis(host=server.host, port=server.port, socket_timeout=PATIENCE) as client:
+        pubsub = client.pubsub(ignore_subscribe_messages=True)
+        pubsub.subscribe(ns + "#t")
+        assert pubsub.get_message(timeout=PATIENCE) is None  # (reads the subscription)
+
+        def announced() -> bool:
+            kv.list("")  # a round trip after the write: its message, if any, has been sent
+            return pubsub.get_message(timeout=0.5) is not None
+
+        kv.put("a", b"1", ttl=30)
+        assert announced()  # the first deadline
+        kv.put("b", b"1", ttl=60)
+        assert not announced()  # later than a's
+        kv.put("c", b"1")
+        kv.refresh("c", 10)
+        assert announced()  # earlier than a's
+        kv.refresh("b", 40)
+        assert not announced()
+        kv.put("b", b"2", ttl=1)
+        assert announced()
+        pubsub.close()
+
+
 # -- namespaces and hostile keys ---------------------------------------------------------------
 @pytest.mark.parametrize("names", [(None, "a"), ("a", "b"), ("k", None), ("a:b", "a"), ("x/#k", "x"),
                                    ("%41", "A"), ("k/", None)])
@@ -526,6 +922,26 @@ def test_data_loss_never_reuses_revisions_and_watchers_notice(opened: Callable[[
         volatile.stop()
 
 
+def test_data_loss_under_a_subscribed_prefix_is_still_noticed(own_server: RedisServer,
+                                                               opened: Callable[[str], KVBackend],
+                                                               prefix: str) -> None:
+    """FLUSHDB keeps the listener's connection: a watch from the lost history, though its prefix's
+    channel announced everything since, still gets HistoryCompacted (at its timeout when nothing came)."""
+    kv, writer = opened(own_server.url()), opened(own_server.url())
+    old = writer.put(prefix + "k", b"old")
+    assert kv.watch(prefix, old.revision, 0.3) == []  # subscribed, and its polls covered the log
+    raw(own_server, "FLUSHDB")
+    started = time.monotonic()
+    with pytest.raises(HistoryCompacted):
+        kv.watch(prefix, old.revision, 0.5)
+    assert time.monotonic() - started < 0.5 + PATIENCE / 2
+    writer.put(prefix + "k", b"new")
+    with pytest.raises(HistoryCompacted):
+        kv.watch(prefix, old.revision, PATIENCE)
+    entries, revision = kv.list(prefix)
+    assert [e.value for e in entries] == [b"new"] and kv.watch(prefix, revision, 0.2) == []
+
+
 def test_watch_from_any_number_below_a_revision(server: RedisServer, opened: Callable[[str], KVBackend],
                                                 prefix: str) -> None:
     """Revisions are not consecutive; ``watch(after=entry.revision - 1)`` still returns that entry."""
@@ -615,9 +1031,9 @@ def test_no_plain_text_fallback(tls_server: RedisTLSServer, server: RedisServer)
 
 
 # -- ACL users -----------------------------------------------------------------------------------
-ACL_RULES = ("resetkeys ~rdzv:* resetchannels -@all +ping +evalsha +script|load +hmget +xread +time +get +set "
-             "+incr +incrby +del +exists +hget +hset +persist +pexpireat +zadd +zrem +zscore +zrange +zrangebylex "
-             "+zrangebyscore +xadd +xrange").split()
+ACL_RULES = ("resetkeys ~rdzv:* resetchannels &rdzv:* -@all +ping +evalsha +script|load +hgetall +time +get +set "
+             "+incrby +del +exists +type +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zrange +zrangebylex "
+             "+zrangebyscore +zcount +xadd +xrange +xrevrange +publish +subscribe +unsubscribe").split()
 
 
 def test_acl_user_with_the_documented_rules(server: RedisServer, opened: Callable[[str], KVBackend],
