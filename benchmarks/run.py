@@ -68,7 +68,7 @@ RDZV_TARGETS = ["memory", "file", "redis", "etcd-v2", "etcd-v3"]
 #: The client mode used unless ``--client-mode`` says otherwise: a client shared by
 #: every agent thread of a process, except Redis (redis-py's pool caps one client at
 #: 100 connections; see docs/benchmarks.md).
-AUTO_CLIENT_MODE = {"redis": "per-agent"}
+AUTO_CLIENT_MODE: dict[str, str] = {}  # every backend shares one client per process
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -85,7 +85,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--procs", type=int, default=2, help="worker processes per target (default 2 = cores here)")
     p.add_argument("--client-mode", choices=("auto", "shared", "per-agent"), default="auto",
                    help="rdzv backend clients: one per process (shared), one per agent, or auto "
-                        "(shared except redis)")
+                        "(= shared for every backend)")
     p.add_argument("--keep-alive-ttl", type=float, default=5.0, help="rendezvous keep-alive TTL, s (default 5)")
     p.add_argument("--last-call-timeout", type=float, default=1.0,
                    help="last call, s (default 1; matters only for the re-rendezvous scenario)")
