@@ -39,13 +39,12 @@ from rdzv_core import (
     Rendezvous,
     RendezvousParams,
     RendezvousStateError,
-    RoundResult,
     ValueTooLarge,
     open_backend,
 )
 from rdzv_core.errors import KVError
 
-from .test_rendezvous import Agent
+from .test_rendezvous import Agent, round_of
 
 pytestmark = pytest.mark.faults
 
@@ -127,16 +126,6 @@ def _eventually(fn: Callable[[], T], deadline: float) -> T:
             time.sleep(random.uniform(0.05, 0.1))
 
 
-def _round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
-    """Every agent's result; they form one round (same version, ranks 0..n-1)."""
-    deadline = time.monotonic() + timeout
-    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
-    assert sorted(r.rank for r in results) == list(range(len(agents))), results
-    assert {r.world_size for r in results} == {len(agents)}, results
-    assert len({r.version for r in results}) == 1, results
-    return results
-
-
 def _resolution(capabilities: Any) -> float:
     return float(capabilities.ttl_resolution)
 
@@ -169,7 +158,7 @@ def test_server_restart_mid_rendezvous(server: Any, crew, fast_kv, record_proper
         server.start()
         restarted = time.monotonic()
         c.start()
-        results = _round_of([a, b, c], OVERALL)
+        results = round_of([a, b, c], OVERALL)
     finally:
         server.start()
     record_property("downtime_s", round(restarted - killed, 2))
@@ -240,7 +229,7 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
     from rdzv_core.store import KVStore
 
     members = crew(2, min_nodes=2, max_nodes=2)
-    first = _round_of([m.start() for m in members], 30)
+    first = round_of([m.start() for m in members], 30)
     clients = {name: fast_kv() for name in ("get", "put", "list", "add", "refresh", "watch", "store")}
     clients["refresh"].put(key_prefix + "ttl", b"x", ttl=60)
     after = clients["watch"].put(key_prefix + "w", b"x").revision
@@ -309,7 +298,7 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
         if fate == "kept":
             assert k._thread.is_alive(), "a keep-alive thread stopped although its key was kept"
 
-    second = _round_of([m.start() for m in members], TTL + _resolution(capabilities) + LAST_CALL + MARGIN + 10)
+    second = round_of([m.start() for m in members], TTL + _resolution(capabilities) + LAST_CALL + MARGIN + 10)
     assert second[0].version > first[0].version
 
 
@@ -326,7 +315,7 @@ def test_final_round_across_a_short_restart(server: Any, crew, fast_kv, capabili
     """
     ttl = 4.0
     members = crew(2, min_nodes=2, max_nodes=2, keep_alive_ttl=ttl)
-    first = _round_of([m.start() for m in members], 30)
+    first = round_of([m.start() for m in members], 30)
     observer = fast_kv()
     watcher = Rendezvous(observer, members[0].rdzv.run_id, members[0].rdzv.params)
     before = watcher.describe()
@@ -353,7 +342,7 @@ def test_final_round_across_a_short_restart(server: Any, crew, fast_kv, capabili
     if capabilities.persistent and downtime < ttl * 2 / 3 - 0.5:
         assert survived, f"the round did not survive a {downtime:.2f} s restart: {after} (keep-alive lapsed: {lapsed})"
         assert lapsed == [False, False]
-    second = _round_of([m.start() for m in members], ttl + _resolution(capabilities) + LAST_CALL + MARGIN + 10)
+    second = round_of([m.start() for m in members], ttl + _resolution(capabilities) + LAST_CALL + MARGIN + 10)
     assert second[0].version > first[0].version or not survived
 
 
@@ -383,7 +372,7 @@ def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_pr
         kv.put(root + "/state/round", b'{"status": "joinable", "version": 1}')
         c.start()
         try:
-            _round_of([a, b, c], 15)
+            round_of([a, b, c], 15)
         finally:
             for agent in (a, b, c):
                 agent.rdzv.leave()

@@ -63,6 +63,16 @@ class Agent:
         return self.result
 
 
+def round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
+    """Every agent's result within ``timeout`` s; they form one round (same version, ranks 0..n-1)."""
+    deadline = time.monotonic() + timeout
+    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
+    assert sorted(r.rank for r in results) == list(range(len(agents))), results
+    assert {r.world_size for r in results} == {len(agents)}, results
+    assert len({r.version for r in results}) == 1, results
+    return results
+
+
 @pytest.fixture
 def run_id() -> str:
     return f"run{uuid.uuid4().hex[:12]}"

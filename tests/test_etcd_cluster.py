@@ -41,12 +41,11 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from conformance_tests.etcd_cluster import EtcdCluster, EtcdMember
-from conformance_tests.test_rendezvous import Agent
+from conformance_tests.test_rendezvous import Agent, round_of
 from rdzv_core import (
     EventType,
     KVBackend,
     RendezvousParams,
-    RoundResult,
     list_backends,
     open_backend,
 )
@@ -151,7 +150,7 @@ def test_leader_killed_mid_rendezvous(scheme: str, cluster: EtcdCluster, leader:
     leader.kill()
     c.start()
     bound = recovery_bound(scheme)
-    results = _round_of([a, b, c], bound)
+    results = round_of([a, b, c], bound)
     recovered = time.monotonic() - killed
     new_leader = cluster.leader(exclude=leader)
     record_property("recovery_s", round(recovered, 2))
@@ -177,7 +176,7 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     from rdzv_core.store import KVStore
 
     members = crew(2, min_nodes=2, max_nodes=2)
-    first = _round_of([m.start() for m in members], 30)
+    first = round_of([m.start() for m in members], 30)
     version = first[0].version
     observer = clients()
     rdzv = members[0].rdzv
@@ -209,7 +208,7 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     assert sorted(e.key.rsplit("/", 1)[1] for e in alive) == ["rank_0", "rank_1"], alive
     assert waiting == [0, 0], "a member was told to re-rendezvous"
     assert all(k is not None and k._thread.is_alive() for k in keepalives), "a keep-alive thread ended"
-    second = _round_of([m.start() for m in members], recovery_bound(scheme))
+    second = round_of([m.start() for m in members], recovery_bound(scheme))
     assert second[0].version > version
     assert not gone and not any(lapsed), f"keep-alive keys expired after the kill: {gone} (lapsed: {lapsed})"
 
@@ -269,16 +268,6 @@ def test_compare_guarded_writes_right_after_leader_death(
 # -- helpers ----------------------------------------------------------------------------------
 def _resolution(scheme: str) -> float:
     return float(list_backends()[scheme].spec.capabilities.ttl_resolution)
-
-
-def _round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
-    """Every agent's result within ``timeout`` s; they form one round (same version, ranks 0..n-1)."""
-    deadline = time.monotonic() + timeout
-    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
-    assert sorted(r.rank for r in results) == list(range(len(agents))), results
-    assert {r.world_size for r in results} == {len(agents)}, results
-    assert len({r.version for r in results}) == 1, results
-    return results
 
 
 def _deletes_under(kv: KVBackend, prefix: str, after: int, until: float) -> list[Any]:

@@ -34,14 +34,13 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from conformance_tests.proxy import Mode, TCPProxy
-from conformance_tests.test_rendezvous import Agent
+from conformance_tests.test_rendezvous import Agent, round_of
 from rdzv_core import (
     BackendConnectionError,
     BackendUnavailable,
     EventType,
     KVBackend,
     RendezvousParams,
-    RoundResult,
     list_backends,
     open_backend,
 )
@@ -236,7 +235,7 @@ def test_next_rendezvous_succeeds_once_the_network_is_back(
     members = [Agent(clients(), run_id, params) for _ in range(2)]
     try:
         proxy.set_mode(Mode.SLOW, delay=0.02)
-        first = _round_of([m.start() for m in members], 30)
+        first = round_of([m.start() for m in members], 30)
         proxy.set_mode(Mode.BLACKHOLE)
         for m in members:
             m.start()
@@ -248,7 +247,7 @@ def test_next_rendezvous_succeeds_once_the_network_is_back(
         proxy.set_mode(Mode.PASS)
         healed = time.monotonic()
         bound = recovery_bound(scheme, ttl)
-        second = _round_of(members, bound)
+        second = round_of(members, bound)
         record_property("recovery_s", round(time.monotonic() - healed, 2))
     finally:
         for m in members:
@@ -265,16 +264,6 @@ def recovery_bound(scheme: str, ttl: float) -> float:
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def _round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
-    """Every agent's result within ``timeout`` s; they form one round (same version, ranks 0..n-1)."""
-    deadline = time.monotonic() + timeout
-    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
-    assert sorted(r.rank for r in results) == list(range(len(agents))), results
-    assert {r.world_size for r in results} == {len(agents)}, results
-    assert len({r.version for r in results}) == 1, results
-    return results
-
-
 def _sleep_until(when: float) -> None:
     """Wait until ``time.monotonic()`` reaches ``when``: how long a fault lasts is the test's choice."""
     time.sleep(max(0.0, when - time.monotonic()))
