@@ -72,6 +72,12 @@ Corrupt storage
     file (and the row) to repair or delete. Opening a file that is not an SQLite
     database raises it too: the data is not transient trouble, so it is not a
     :class:`~rdzv_core.errors.BackendUnavailable` that callers would retry.
+
+Code
+    The watch poller and the per-process, per-file state it lives in (write
+    lock, fork handling) are in :mod:`rdzv_backends._file_watch`; this module
+    holds the backend, its transactions, connection pool, SQL helpers and the
+    plugin registration.
 """
 
 from __future__ import annotations
@@ -84,6 +90,9 @@ import threading
 import time
 from typing import Callable, Iterator, TypeVar
 
+from rdzv_backends._file_watch import _FORK_ORPHANS, _shared, _Shared, _Waiter
+from rdzv_backends._file_watch import _SHARED as _SHARED  # re-exported: tests look at it
+from rdzv_backends._file_watch import POLL_MAX as POLL_MAX, POLL_MIN as POLL_MIN, POLLER_LINGER as POLLER_LINGER
 from rdzv_core.errors import (
     BackendClosed,
     BackendConnectionError,
@@ -108,10 +117,6 @@ log = logging.getLogger(__name__)
 HISTORY_LIMIT = 10_000
 #: File name of the store inside the URL's directory.
 DB_NAME = "rdzv.sqlite3"
-#: First and longest poll interval of the watch poller (seconds).
-POLL_MIN, POLL_MAX = 0.005, 0.05
-#: Seconds the watch poller thread waits for a new watch before it exits.
-POLLER_LINGER = 1.0
 #: Idle connections kept per backend object: enough for the concurrent reads of hundreds of
 #: agent threads (a new connection costs an open, a schema parse and a statement cache; with 4,
 #: most reads at N = 1,024 opened one). Each holds about 3 file descriptors.
@@ -164,269 +169,6 @@ _SQL_TYPES = {bytes: "BLOB", str: "TEXT", int: "INTEGER", float: "REAL", type(No
 
 T = TypeVar("T")
 _EventRow = tuple[int, object, object, object]  # an ``events`` row: revision, type, key, value
-
-
-# -- what the backends of one process share per store file ------------------------------------
-class _Waiter:
-    """One blocked ``watch`` registered with the poller.
-
-    ``cursor``: events up to this revision are known not to concern it (read and
-    written by the poller thread once registered). The poller fills ``events`` or
-    ``error`` (a ``(class, message, key)`` triple, raised by the watching thread)
-    under its condition, then sets ``done``.
-    """
-
-    __slots__ = ("prefix", "cursor", "owner", "events", "error", "done")
-
-    def __init__(self, prefix: str, cursor: int, owner: "FileBackend") -> None:
-        self.prefix = prefix
-        self.cursor = cursor
-        self.owner = owner
-        self.events: list[Event] = []
-        self.error: tuple[type[KVError], str, str | None] | None = None
-        self.done = threading.Event()
-
-
-class _Poller:
-    """The one thread of this process that polls a store file for every blocked watch."""
-
-    def __init__(self, shared: "_Shared") -> None:
-        self._shared = shared
-        self._cond = threading.Condition()
-        self._waiters: dict[str, set[_Waiter]] = {}  # prefix -> waiters
-        self._count = 0
-        self._poked = False
-        self._thread: threading.Thread | None = None
-        self.conn: sqlite3.Connection | None = None  # the poller thread's own
-
-    # -- called by watching / writing threads ------------------------------------------------
-    def register(self, waiter: _Waiter) -> None:
-        """Add ``waiter``; start the thread if none runs."""
-        with self._cond:
-            self._waiters.setdefault(waiter.prefix, set()).add(waiter)
-            self._count += 1
-            if self._thread is None:
-                name = f"rdzv-file-poller {self._shared.path}"
-                self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-                self._thread.start()
-            elif self._count == 1:
-                self._cond.notify()  # it is lingering
-
-    def unregister(self, waiter: _Waiter) -> None:
-        """Remove ``waiter`` (no-op if the poller already finished it)."""
-        with self._cond:
-            self._discard(waiter)
-
-    def poke(self) -> None:
-        """A write of this process committed: poll now rather than at the next tick."""
-        if self._count:  # unlocked read: a missed poke costs one poll interval
-            with self._cond:
-                self._poked = True
-                self._cond.notify()
-
-    def release(self, owner: "FileBackend") -> None:
-        """End the blocked watches of ``owner`` (it is being closed)."""
-        with self._cond:
-            for group in self._waiters.values():
-                for waiter in group:
-                    if waiter.owner is owner:
-                        waiter.done.set()
-
-    # -- the poller thread -----------------------------------------------------------------------
-    def _discard(self, waiter: _Waiter) -> bool:
-        group = self._waiters.get(waiter.prefix)
-        if group is None or waiter not in group:
-            return False
-        group.discard(waiter)
-        if not group:
-            del self._waiters[waiter.prefix]
-        self._count -= 1
-        return True
-
-    def _finish(self, waiter: _Waiter, events: list[Event], error: tuple[type[KVError], str, str | None] | None
-                ) -> bool:
-        """Hand ``events`` or ``error`` to ``waiter`` and unregister it (call with ``_cond`` held);
-        return whether it was still waiting. The caller wakes it."""
-        if self._discard(waiter):
-            waiter.events, waiter.error = events, error
-            return True
-        return False
-
-    @staticmethod
-    def _wake(finished: list[_Waiter]) -> None:
-        """Wake the ``finished`` watches.
-
-        (Unlike :mod:`rdzv_backends.memory`, all at once: a relay that wakes a few
-        at a time measured no better here at N = 1,024, where agents mostly wait
-        for SQLite's write lock rather than for the GIL, and two of its five
-        rounds took 18 and 22 s instead of 3-6 s.)
-        """
-        for waiter in finished:
-            waiter.done.set()
-
-    def _run(self) -> None:
-        interval = POLL_MIN
-        try:
-            while True:
-                with self._cond:
-                    if not self._count:
-                        self._cond.wait(POLLER_LINGER)
-                        if not self._count:  # decided under the lock that register() takes
-                            self._close_conn()
-                            self._thread = None
-                            return
-                    self._poked = False
-                    waiters = [w for group in self._waiters.values() for w in group]
-                timeout = min(w.owner.operation_timeout for w in waiters)
-                try:
-                    changed, next_expiry = self._tick(waiters, timeout)
-                except (sqlite3.Error, KVError) as exc:
-                    error = exc if isinstance(exc, KVError) else _translate(exc, self._shared.path, timeout)
-                    log.debug("watch poller of %s: %s", self._shared.path, error)
-                    with self._cond:
-                        self._wake([w for w in waiters if self._finish(w, [], (type(error), str(error), error.key))])
-                    self._close_conn()
-                    continue
-                interval = POLL_MIN if changed else min(interval * 2, POLL_MAX)
-                pause = interval
-                if next_expiry is not None:
-                    pause = min(pause, max(next_expiry - time.time(), 0.0) + 0.001)
-                with self._cond:
-                    if not self._poked and self._count:
-                        self._cond.wait(pause)
-        except BaseException as exc:  # a bug: never leave watches waiting for a dead thread
-            log.error("watch poller of %s failed", self._shared.path, exc_info=True)
-            with self._cond:
-                self._close_conn()
-                self._thread = None
-                failure = (KVError, f"watch poller of {self._shared.path!r} failed: {exc!r}", None)
-                stranded = [w for group in self._waiters.values() for w in group]
-                self._wake([w for w in stranded if self._finish(w, [], failure)])
-            raise
-
-    def _close_conn(self) -> None:
-        """Close the poller thread's connection (only that thread calls this)."""
-        conn, self.conn = self.conn, None
-        if conn is not None and self._shared.pid == os.getpid():
-            conn.close()
-
-    def _tick(self, waiters: list[_Waiter], timeout: float) -> tuple[bool, float | None]:
-        """One poll: purge due expiries, deliver new events; return (revision moved, next expiry)."""
-        path = self._shared.path
-        if self.conn is None:
-            self.conn = _connect(path, timeout)
-        conn = self.conn
-        revision, next_expiry = _poll(conn, path)
-        if next_expiry is not None and next_expiry <= time.time():
-            _transaction(conn, self._shared, timeout, lambda txn: None)  # purges, emitting DELETE events
-            revision, next_expiry = _poll(conn, path)
-        if revision <= min(w.cursor for w in waiters):
-            return False, next_expiry
-        self._scan(conn, waiters)
-        return True, next_expiry
-
-    def _scan(self, conn: sqlite3.Connection, waiters: list[_Waiter]) -> None:
-        """Read the events after the waiters' cursors once (one snapshot) and deliver them."""
-        path = self._shared.path
-        by_prefix: dict[str, list[_Waiter]] = {}
-        for waiter in waiters:
-            by_prefix.setdefault(waiter.prefix, []).append(waiter)
-        conn.execute("BEGIN")
-        try:
-            revision = _meta_int(conn, "revision", path)
-            oldest = revision - HISTORY_LIMIT
-            live = [w for w in waiters if w.cursor >= oldest]
-            matched: dict[int, list[_Waiter]] = {}  # revision -> the waiters it concerns
-            if live:
-                low = min(w.cursor for w in live)
-                for rev, key in conn.execute("SELECT revision, key FROM events WHERE revision > ?", (low,)):
-                    for prefix in _prefixes(key) if type(key) is str else ("",):
-                        for waiter in by_prefix.get(prefix, ()):
-                            if rev > waiter.cursor >= oldest:
-                                matched.setdefault(rev, []).append(waiter)
-            rows = _events_by_revision(conn, sorted(matched))
-            conn.execute("COMMIT")
-        finally:
-            if conn.in_transaction:
-                conn.rollback()
-        found: dict[_Waiter, list[Event]] = {}
-        failed: dict[_Waiter, tuple[type[KVError], str, str | None]] = {}
-        for rev in sorted(matched):
-            for waiter in matched[rev]:
-                if waiter in failed or len(found.get(waiter, ())) >= WATCH_BATCH:
-                    continue
-                try:
-                    found.setdefault(waiter, []).append(_event(path, *rows[rev]))
-                except CorruptEntry as exc:
-                    if not found.get(waiter):  # deliver the good events before it first
-                        failed[waiter] = (CorruptEntry, str(exc), exc.key)
-        finished = []
-        with self._cond:
-            for waiter in waiters:
-                if waiter.cursor < oldest:
-                    done = self._finish(waiter, [], (HistoryCompacted, _compacted_message(waiter.cursor, revision),
-                                                     waiter.prefix))
-                elif found.get(waiter):
-                    done = self._finish(waiter, found[waiter], None)
-                elif waiter in failed:
-                    done = self._finish(waiter, [], failed[waiter])
-                else:
-                    waiter.cursor = max(waiter.cursor, revision)
-                    done = False
-                if done:
-                    finished.append(waiter)
-            self._wake(finished)
-
-
-class _Shared:
-    """Per process and store file: the write lock and the watch poller."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.pid = os.getpid()
-        self.lock = threading.Lock()  # threads queue here before BEGIN IMMEDIATE
-        self.poller = _Poller(self)
-
-    @contextlib.contextmanager
-    def locked(self, timeout: float) -> Iterator[None]:
-        """Hold this process's write lock for the store (at most ``timeout`` seconds of waiting)."""
-        if not self.lock.acquire(timeout=timeout):
-            raise BackendTimeout(
-                f"{self.path!r}: another thread of this process held the write lock for more than "
-                f"operation_timeout={timeout}s"
-            )
-        try:
-            yield
-        finally:
-            self.lock.release()
-
-
-_SHARED: dict[str, _Shared] = {}  # realpath of the store file -> its _Shared
-_SHARED_GUARD = threading.Lock()
-# Connections inherited through fork(): never used or closed in the child.
-_FORK_ORPHANS: list[sqlite3.Connection] = []
-
-
-def _shared(lock_key: str, path: str) -> _Shared:
-    """This process's :class:`_Shared` for the store file ``lock_key`` (created on first use)."""
-    shared = _SHARED.get(lock_key)
-    if shared is None:
-        with _SHARED_GUARD:
-            shared = _SHARED.setdefault(lock_key, _Shared(path))
-    return shared
-
-
-def _reset_after_fork() -> None:
-    # A parent's thread may have held a lock at fork(), and the poller threads did not survive:
-    # the child starts afresh and never touches the parent's poller connections.
-    global _SHARED_GUARD
-    _SHARED_GUARD = threading.Lock()
-    _FORK_ORPHANS.extend(s.poller.conn for s in _SHARED.values() if s.poller.conn is not None)
-    _SHARED.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
 
 
 # -- one transaction ----------------------------------------------------------------------------

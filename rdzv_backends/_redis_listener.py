@@ -1,0 +1,501 @@
+"""The pub/sub listener of :mod:`rdzv_backends.redis_backend`: how waiting watches are woken.
+
+:class:`_Notifier` is one per process and connection settings (server, database, user, TLS
+files, namespace, ``operation_timeout``), shared and reference-counted by the
+:class:`~rdzv_backends.redis_backend.RedisBackend` objects that use it (``_Notifier.of`` when a
+backend opens, ``release`` when it closes). It runs one thread with a connection of its own,
+subscribed to ``NS#w:PREFIX`` for each watched prefix (a :class:`_Channel`) and to ``NS#t``;
+each message wakes the :class:`_Waiter` objects (one per blocked ``watch`` call) of its channel
+whose revision it passes, and the thread sweeps due TTL expiries (the ``sweep`` script of
+:mod:`rdzv_backends._redis_lua`) while any watch waits. ``RedisBackend._do_watch`` drives it:
+``begin`` before its first poll, ``add`` after it, ``covers``/``take_hint`` to decide where to
+poll, ``remove`` when done. The protocol (why no event is missed, when the log is not rescanned)
+is described in :mod:`rdzv_backends.redis_backend`'s docstring and in :class:`_Notifier`'s.
+redis-py is imported only when a notifier is created.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, cast
+
+from rdzv_backends._redis_lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
+from rdzv_core.errors import BackendClosed, BackendConnectionError, BackendTimeout, CorruptEntry, KVError, RdzvError
+
+if TYPE_CHECKING:
+    from rdzv_backends.redis_backend import RedisBackend
+
+log = logging.getLogger(__name__)
+
+#: Seconds the listener thread lives on without waiters (and a channel stays subscribed without).
+_LISTENER_IDLE = 30.0
+#: Revisions a channel remembers having announced (so a new watch need not scan the log for them).
+_HEARD = 64
+
+
+class _Waiter:
+    """One watch call of ``owner``, waiting for an event under a prefix after ``after`` (set by the listener)."""
+
+    __slots__ = ("owner", "channel", "after", "hint", "wake", "error")
+
+    def __init__(self, owner: RedisBackend, channel: _Channel, after: int) -> None:
+        self.owner = owner
+        self.channel = channel
+        self.after = after
+        self.hint: int | None = None  # the least revision > after heard since the watch last took it (0: unknown)
+        self.wake = threading.Event()
+        self.error: RdzvError | None = None
+
+
+class _Channel:
+    """One subscribed prefix: its waiters, when the subscription took effect, the last revision heard."""
+
+    __slots__ = ("name", "waiters", "confirmed_at", "last_rev", "heard", "covered_from", "idle_since")
+
+    def __init__(self, name: bytes) -> None:
+        self.name = name
+        self.waiters: set[_Waiter] = set()
+        self.confirmed_at: float | None = None  # time.monotonic() when the SUBSCRIBE reply was read
+        self.last_rev = 0
+        self.heard: collections.deque[int] = collections.deque(maxlen=_HEARD)  # the last revisions announced
+        # Every event under the prefix after this revision has been announced (a poll that began after
+        # the subscription took effect read the log to its end there); None: not known yet.
+        self.covered_from: int | None = None
+        self.idle_since = time.monotonic()
+
+
+class _Notifier:
+    """The pub/sub listener of the :class:`RedisBackend` objects of one process that share a
+    server, database, user, TLS files, namespace and ``operation_timeout`` (:meth:`of`): a thread
+    that wakes matching waiters. Reference-counted by its backends; the last :meth:`release` ends it.
+
+    The thread owns a connection of its own (not from a pool) subscribed to ``NS#t`` and to
+    ``NS#w:PREFIX`` for every prefix being watched; the write scripts publish each event's
+    revision to every prefix of its key. A message wakes the waiters of its channel whose
+    ``after`` is below the revision; nothing else wakes them. While any waiter exists, the
+    thread also sweeps at the next TTL deadline (the ``sweep`` script returns it; ``NS#t`` says
+    when a write made an earlier one), so expiries are recorded, published and seen. Sweeps run
+    on a client of its own (two pooled connections), since any backend may be closed first.
+
+    A watch asks for its channel (:meth:`begin`) before its first poll and registers a waiter
+    (:meth:`add`) after it: if the subscription took effect before that poll began, every later
+    event reaches the waiter (and one heard meanwhile is detected by ``last_rev``); otherwise
+    the watch polls once more after the subscription. A channel's ``covered_from`` (set by
+    :meth:`covers` after such a poll, or by the thread's sweep after subscribing) lets
+    :meth:`begin` register a watch at once and say where (whether) it must poll; a waiter's
+    ``hint`` (:meth:`take_hint`) says where to poll after a wake-up.
+    The thread pings the server when it heard nothing for ``operation_timeout / 2`` and fails
+    every waiter with the mapped error when the connection breaks or stays silent for
+    ``operation_timeout``; it exits after :data:`_LISTENER_IDLE` seconds without waiters (a
+    later watch starts it again). Channels without waiters for as long are unsubscribed.
+    """
+
+    _shared: dict[tuple[Any, ...], _Notifier] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def of(cls, backend: RedisBackend) -> _Notifier:
+        """The notifier ``backend`` shares with the other open backends of this process that use
+        the same connection settings and namespace (a new one if there is none); counts it as a user."""
+        key = (os.getpid(), backend.host, backend.port, backend.db, backend.username,
+               backend._connection_args[1]["password"],
+               None if backend.tls is None else (backend.tls.cacert, backend.tls.cert, backend.tls.key),
+               backend.prefix, backend.operation_timeout)
+        with cls._shared_lock:
+            notifier = cls._shared.get(key)
+            if notifier is None:
+                notifier = cls._shared[key] = cls(backend, key)
+            notifier._users += 1
+            return notifier
+
+    def __init__(self, backend: RedisBackend, key: tuple[Any, ...]) -> None:
+        import redis
+
+        self._key = key
+        self._users = 0  # backends that hold it (under _shared_lock)
+        # What every user has in common (no reference to a backend: a forgotten one must stay collectable).
+        self._errmap = backend._errmap
+        self._index_keys, self._prefix = backend._index_keys, backend.prefix
+        self._name = repr(backend)
+        connection_class, connection_kwargs = backend._connection_args
+        self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool(
+            max_connections=2, timeout=backend.operation_timeout, connection_class=connection_class,
+            **connection_kwargs))
+        self._sweep_script = self._client.register_script(_PRELUDE + _SWEEP)
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a subscription took effect, or the thread failed
+        self._channels: dict[bytes, _Channel] = {}
+        self._outbox: list[bytes] = []  # channels to SUBSCRIBE
+        self._waiters = 0
+        self._idle_since = time.monotonic()  # when the last waiter left
+        self._need_sweep: float | None = None  # when NS#t said: a write set an earlier TTL deadline
+        self._need_cover = False  # a channel's subscription took effect: sweep to learn its covered_from
+        self._due_since: float | None = None  # when the NS#t subscription took effect
+        self._sleep_until = 0.0  # when the thread wakes at the latest (time.monotonic())
+        # (when it was learnt, the next TTL deadline or None for none) by a sweep after _due_since
+        self._deadline: tuple[float, float | None] | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_pair: tuple[socket.socket, socket.socket] | None = None
+        self._closed = False
+        self._watch = (backend.prefix + "#w:").encode()
+        self._due = (backend.prefix + "#t").encode()
+
+    def release(self, backend: RedisBackend) -> None:
+        """``backend`` is closed: its waits end now (they return ``[]``); the last user closes this."""
+        with self._lock:
+            for channel in self._channels.values():
+                for waiter in channel.waiters:
+                    if waiter.owner is backend:
+                        waiter.wake.set()
+            self._changed.notify_all()
+        with self._shared_lock:
+            self._users -= 1
+            last = self._users == 0
+            if last and self._shared.get(self._key) is self:
+                del self._shared[self._key]
+        if last:
+            self.close()
+
+    # -- called by watches ---------------------------------------------------------------------
+    def add(self, owner: RedisBackend, prefix: str, after: int, polled_at: float, patience: float,
+            next_deadline: float | None) -> _Waiter:
+        """Register a waiter of ``owner`` for ``prefix``; its ``wake`` is already set when the watch
+        must poll again.
+
+        ``after`` and ``next_deadline`` (``time.monotonic()`` value, or ``None``: no TTLs) are
+        what the poll sent at ``polled_at`` returned. Waits (at most ``operation_timeout``, or
+        ``patience`` seconds, then asks for one more poll) for a new channel's subscription to
+        take effect.
+
+        Raises:
+            BackendClosed: ``owner`` was closed.
+            BackendTimeout: the subscription did not take effect within ``operation_timeout``.
+            BackendUnavailable, KVError: the listener failed (mapped as every call's errors are).
+        """
+        with self._lock:
+            channel = self._channel_locked(prefix)
+            waiter = self._register_locked(owner, channel, after)
+            if self._due_since is not None and self._due_since < polled_at and (
+                    self._deadline is None or self._deadline[0] < polled_at):
+                self._deadline = (polled_at, next_deadline)  # the poll swept: the listener need not
+                if self._need_sweep is not None and self._need_sweep < polled_at:
+                    self._need_sweep = None
+            if self._deadline is not None and self._deadline[1] is not None and self._deadline[1] < self._sleep_until:
+                self._start_locked()  # the thread sleeps too long now: a sweep is due sooner
+            if channel.confirmed_at is None:
+                limit = min(self._errmap.operation_timeout, patience)
+                if not self._changed.wait_for(
+                    lambda: channel.confirmed_at is not None or waiter.error is not None or owner._closed, limit
+                ) and limit < patience:
+                    self._remove_locked(waiter)
+                    raise BackendTimeout(f"redis at {self._errmap.host}:{self._errmap.port} did not confirm a "
+                                         f"subscription within operation_timeout={limit}s", prefix)
+            if channel.confirmed_at is None or channel.confirmed_at >= polled_at or channel.last_rev > after:
+                waiter.wake.set()  # it may have missed an event: poll again
+        if waiter.error is not None or owner._closed:
+            self.remove(waiter)
+            if owner._closed:
+                raise BackendClosed("RedisBackend is closed", prefix)
+            raise _copy_error(cast(RdzvError, waiter.error), prefix) from waiter.error
+        return waiter
+
+    def begin(self, owner: RedisBackend, prefix: str, after: int) -> tuple[_Waiter | None, int | None]:
+        """A watch of ``owner`` starts: subscribe to ``prefix``'s channel now (so that it may be in
+        effect before the poll is sent, and :meth:`add` need not ask for a second one).
+
+        Returns ``(None, after)`` (poll from ``after``, then :meth:`add`), or, when the channel has
+        announced every event under the prefix after ``after``, a waiter registered at once and
+        where to poll from: ``None`` if nothing was announced (no poll needed: wait), else just
+        before the first revision announced.
+
+        Raises:
+            BackendClosed: ``owner`` was closed.
+        """
+        with self._lock:
+            channel = self._channel_locked(prefix)
+            if owner._closed:
+                raise BackendClosed("RedisBackend is closed", prefix)
+            covered_from = channel.covered_from
+            # (From 0, an empty history: `after` may come from one the server lost; a poll tells.)
+            if channel.confirmed_at is None or covered_from is None or after < covered_from or (
+                    covered_from == 0 < after):
+                return None, after
+            heard = channel.heard
+            first = next((rev for rev in heard if rev > after), None)
+            if first is not None and len(heard) == heard.maxlen and heard[0] > after:
+                first = after + 1  # older announcements were forgotten: scan from after
+            waiter = self._register_locked(owner, channel, after)
+        return waiter, None if first is None else first - 1
+
+    def covers(self, waiter: _Waiter, polled_at: float, last: int) -> bool:
+        """A poll that began at ``polled_at`` read the log to its end at ``last``: if the waiter's
+        subscription took effect before, record that every event after ``last`` is announced; whether so."""
+        channel = waiter.channel
+        with self._lock:
+            if not _before(channel.confirmed_at, polled_at):
+                return False
+            if channel.covered_from is None or last < channel.covered_from:
+                channel.covered_from = last
+            return True
+
+    def _channel_locked(self, prefix: str) -> _Channel:
+        if self._closed:
+            raise BackendClosed("RedisBackend is closed", prefix)
+        name = self._watch + prefix.encode()
+        channel = self._channels.get(name)
+        if channel is None:
+            channel = self._channels[name] = _Channel(name)
+            self._outbox.append(name)
+            self._start_locked()
+        elif self._thread is None:
+            self._start_locked()
+        return channel
+
+    def _register_locked(self, owner: RedisBackend, channel: _Channel, after: int) -> _Waiter:
+        waiter = _Waiter(owner, channel, after)
+        channel.waiters.add(waiter)
+        self._waiters += 1
+        if self._waiters == 1:
+            self._start_locked()  # the thread sweeps while someone waits
+        return waiter
+
+    def take_hint(self, waiter: _Waiter) -> int | None:
+        """The least revision above ``waiter.after`` heard on its channel since the last call, if any."""
+        with self._lock:
+            hint, waiter.hint = waiter.hint, None
+        return hint
+
+    def remove(self, waiter: _Waiter) -> None:
+        """Unregister ``waiter`` (idempotent)."""
+        with self._lock:
+            self._remove_locked(waiter)
+
+    def _remove_locked(self, waiter: _Waiter) -> None:
+        channel = waiter.channel
+        if waiter in channel.waiters:
+            channel.waiters.discard(waiter)
+            self._waiters -= 1
+            now = time.monotonic()
+            if not channel.waiters:
+                channel.idle_since = now
+            if not self._waiters:
+                self._idle_since = now
+
+    def close(self) -> None:
+        """End every wait now; the thread exits at once (it closes its own connection)."""
+        with self._lock:
+            self._closed = True
+            for channel in self._channels.values():
+                for waiter in channel.waiters:
+                    waiter.wake.set()
+            self._changed.notify_all()
+            if self._thread is None and self._wake_pair is not None:
+                for sock in self._wake_pair:
+                    sock.close()
+                self._wake_pair = None
+        self._poke()
+        self._client.connection_pool.disconnect(inuse_connections=True)  # ends a sweep in flight
+
+    def _start_locked(self) -> None:
+        """Start the thread, or poke it: it has something to send (or a sooner time to wake)."""
+        if self._thread is not None:
+            self._poke()
+            return
+        if self._wake_pair is None:
+            self._wake_pair = socket.socketpair()
+            for sock in self._wake_pair:
+                sock.setblocking(False)
+        self._idle_since = time.monotonic()  # a new thread lives _LISTENER_IDLE at least
+        self._thread = threading.Thread(target=self._main, name=f"rdzv-redis-listener-{id(self):x}", daemon=True)
+        self._thread.start()
+
+    def _poke(self) -> None:
+        pair = self._wake_pair
+        if pair is not None:
+            with contextlib.suppress(OSError):  # full (already poked) or closed
+                pair[1].send(b"x")
+
+    # -- the thread ----------------------------------------------------------------------------
+    def _main(self) -> None:
+        conn = None
+        try:
+            pool = self._client.connection_pool
+            conn = pool.connection_class(**pool.connection_kwargs)
+            conn.connect()
+            self._serve(conn)
+        except Exception as exc:
+            if not self._closed:
+                mapped = exc if isinstance(exc, RdzvError) else self._errmap.map(exc, None)
+                if mapped is None:  # a bug of ours or of redis-py: fail the waiters rather than hang them
+                    log.warning("redis listener of %s failed", self._name, exc_info=True)
+                    mapped = BackendConnectionError(f"the watch listener of {self._name} failed: {exc!r}")
+                self._fail(mapped)
+        finally:
+            if conn is not None:
+                conn.disconnect()
+            self._client.connection_pool.disconnect()  # reconnects on demand; none held while idle
+            with self._lock:
+                if self._closed and self._wake_pair is not None:
+                    for sock in self._wake_pair:
+                        sock.close()
+                    self._wake_pair = None
+
+    def _sweep(self, started: float) -> float | None:
+        """Record every due expiry (a sweep sent at ``started``); return when the next TTL deadline is
+        due (``time.monotonic()`` value, ``None``: no key has a TTL). The revision it read covers every
+        channel subscribed before: each later event under its prefix is announced."""
+        ms, revision = self._sweep_script(keys=self._index_keys, args=[self._prefix, HISTORY_LIMIT])
+        with self._lock:
+            for channel in self._channels.values():
+                if channel.covered_from is None and _before(channel.confirmed_at, started):
+                    channel.covered_from = int(revision)
+        return None if ms < 0 else time.monotonic() + ms / 1000
+
+    def _serve(self, conn: Any) -> None:
+        with selectors.DefaultSelector() as selector:  # epoll: select() fails for descriptors >= 1024
+            pair = self._wake_pair
+            if pair is None or conn._sock is None:  # redis-py keeps the socket in _sock
+                raise self._errmap.errors.ConnectionError("the listener's connection was closed")
+            selector.register(conn._sock, selectors.EVENT_READ)
+            selector.register(pair[0], selectors.EVENT_READ)
+            self._loop(conn, selector, pair[0])
+
+    def _loop(self, conn: Any, selector: selectors.BaseSelector, poked: socket.socket) -> None:
+        timeout = self._errmap.operation_timeout
+        heard = time.monotonic()  # when the server last said anything
+        pinged: float | None = None
+        conn.send_command("SUBSCRIBE", self._due)
+        while True:
+            now = time.monotonic()
+            with self._lock:
+                if self._closed:
+                    return
+                if self._waiters == 0 and now - self._idle_since > _LISTENER_IDLE:
+                    self._thread = None
+                    self._forget_locked()
+                    return
+                subscribe, self._outbox = self._outbox, []
+                unsubscribe = [c.name for c in self._channels.values()
+                               if not c.waiters and c.confirmed_at is not None and now - c.idle_since > _LISTENER_IDLE]
+                for name in unsubscribe:
+                    del self._channels[name]
+                waiting = self._waiters > 0
+                deadline = self._deadline
+                next_sweep = deadline[1] if deadline is not None else None
+                # Sweeps wait for the NS#t subscription, so that no earlier deadline goes unheard.
+                sweep = self._need_cover or waiting and self._due_since is not None and (
+                    deadline is None or self._need_sweep is not None or (next_sweep is not None and now >= next_sweep))
+                if sweep:
+                    self._need_cover = False
+                    if waiting and self._due_since is not None:
+                        self._need_sweep = None
+            if unsubscribe:
+                conn.send_command("UNSUBSCRIBE", *unsubscribe)
+            if subscribe:
+                conn.send_command("SUBSCRIBE", *subscribe)
+            if sweep:
+                next_sweep = self._sweep(now)
+                with self._lock:
+                    if _before(self._due_since, now) and (self._deadline is None or self._deadline[0] < now):
+                        self._deadline = (now, next_sweep)
+            if pinged is not None and now - pinged > timeout:
+                raise self._errmap.errors.TimeoutError(f"no answer to PING within {timeout}s")
+            if pinged is None and waiting and now - heard > timeout / 2:
+                conn.send_command("PING")
+                pinged = now
+            limits = [timeout / 2, _LISTENER_IDLE]
+            if next_sweep is not None and waiting:
+                limits.append(max(next_sweep - time.monotonic(), 0.001))
+            with self._lock:
+                # A waiter that comes while this thread sleeps pokes it if it must wake sooner.
+                waiting = self._waiters > 0
+                if waiting and self._deadline is not None and self._deadline[1] is not None:
+                    limits.append(max(self._deadline[1] - time.monotonic(), 0.001))
+                self._sleep_until = time.monotonic() + min(limits) if waiting else 0.0
+            if self._readable(conn, selector, poked, max(0.0, min(limits))):
+                while True:
+                    self._handle(conn.read_response())
+                    heard, pinged = time.monotonic(), None
+                    if not conn.can_read(0):
+                        break
+
+    @staticmethod
+    def _readable(conn: Any, selector: selectors.BaseSelector, poked: socket.socket, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the connection (or a poke); whether a message can be read."""
+        if conn.can_read(0):  # buffered by the parser or TLS
+            return True
+        ready = {key.fileobj for key, _ in selector.select(timeout)}
+        if poked in ready:
+            with contextlib.suppress(OSError):
+                while poked.recv(4096):
+                    pass
+        return len(ready - {poked}) > 0
+
+    def _handle(self, message: Any) -> None:
+        """Act on one pub/sub message."""
+        kind, name = message[0], message[1]
+        if kind == b"message" and name == self._due:
+            with self._lock:
+                self._need_sweep = time.monotonic()
+        elif kind == b"message":
+            try:
+                rev = hint = int(message[2])
+            except ValueError:  # not ours: wake everyone (with no hint); they poll and find what is real
+                rev, hint = _INT64[1], 0
+            with self._lock:
+                channel = self._channels.get(name)
+                if channel is not None:
+                    channel.last_rev = max(channel.last_rev, rev)
+                    if hint:
+                        channel.heard.append(rev)
+                    for waiter in channel.waiters:
+                        if rev > waiter.after:
+                            waiter.hint = hint if waiter.hint is None else min(waiter.hint, hint)
+                            waiter.wake.set()
+        elif kind == b"subscribe":
+            with self._lock:
+                channel = self._channels.get(name)
+                if name == self._due:
+                    self._due_since = time.monotonic()
+                elif channel is not None and channel.confirmed_at is None:
+                    channel.confirmed_at = time.monotonic()
+                    self._need_cover = True  # a sweep now tells from which revision it announces all
+                    self._changed.notify_all()
+
+    def _forget_locked(self) -> None:
+        self._channels.clear()
+        self._outbox.clear()
+        self._due_since = self._deadline = None
+        self._changed.notify_all()
+
+    def _fail(self, error: RdzvError) -> None:
+        """The thread ends: every registered waiter gets ``error``; later watches start a new thread."""
+        with self._lock:
+            for channel in self._channels.values():
+                for waiter in channel.waiters:
+                    waiter.error = error
+                    waiter.wake.set()
+            self._thread = None
+            self._forget_locked()
+
+
+def _before(moment: float | None, then: float) -> bool:
+    """``moment`` (``time.monotonic()``, or ``None``: not yet) came before ``then``."""
+    return moment is not None and moment < then
+
+
+def _copy_error(error: RdzvError, key: str) -> RdzvError:
+    """A copy of ``error`` (met by the listener thread) for one watch to raise, about ``key`` (its prefix)."""
+    copy = type(error).__new__(type(error))
+    copy.__dict__.update(error.__dict__)
+    copy.args = error.args
+    if isinstance(copy, KVError) and not isinstance(copy, CorruptEntry):  # CorruptEntry names its own key
+        copy.key = key
+    return copy
