@@ -5,14 +5,19 @@
     python -m conformance_tests.reliability_table --write docs/reliability.md
     python -m conformance_tests.reliability_table --from-xml results.xml      # render only, to stdout
 
-It runs ``conformance_tests/test_faults.py`` and, in a source checkout,
-``tests/test_fault_matrix.py`` with ``pytest -n 2 --junitxml`` against the
-backend URLs CI uses (``--rdzv-url`` to choose others; the PostgreSQL example's
-server fixture is loaded when ``rdzv_postgres`` is installed), reads the
-outcome and the measured times (``record_property``) of every test, and
-replaces what lies between the two ``results`` markers of the target file
-(everything else in the file is kept as written). The tests themselves fail on
-a broken expectation; this script only reports.
+It runs ``conformance_tests/test_faults.py`` and, in a source checkout, the
+fault tests under ``tests/`` (:data:`SOURCE_TESTS`: the agent kill matrix,
+network faults through a TCP proxy, leader failure in a three-member etcd
+cluster, a member's clock 30 s ahead) with ``pytest -n 2 --junitxml`` against
+the backend URLs CI uses (``--rdzv-url`` to choose others: they parametrize
+``test_faults.py`` and the kill matrix; the other three files choose their
+backends themselves, :data:`OWN_SCHEMES`). The PostgreSQL example's server
+fixture (``-p rdzv_postgres.testing``) is loaded when ``rdzv_postgres`` is
+installed and a ``postgresql`` URL is used. It reads the outcome and the
+measured times (``record_property``) of every test, and replaces what lies
+between the two ``results`` markers of the target file (everything else in the
+file is kept as written). The tests themselves fail on a broken expectation;
+this script only reports. Exit status: pytest's (0 when only rendering).
 """
 
 from __future__ import annotations
@@ -35,7 +40,11 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 CI_URLS = ("memory://conformance/", "file://{tmp}/", "redis://{server:redis}/", "etcd-v2://{server:etcd}/",
            "etcd-v3://{server:etcd}/", "postgresql://{server:postgres}/?history_limit=1000")
 HERE = os.path.dirname(os.path.abspath(__file__))
-MATRIX = os.path.join(os.path.dirname(HERE), "tests", "test_fault_matrix.py")
+TESTS = os.path.join(os.path.dirname(HERE), "tests")
+#: Fault tests of a source checkout (in :data:`TESTS`), run when present.
+SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py")
+#: Backends the network, cluster and clock tests parametrize themselves (whatever ``--rdzv-url`` says).
+OWN_SCHEMES = ("redis", "etcd-v2", "etcd-v3")
 
 SERVER_FAULTS = {
     "test_server_restart_mid_rendezvous": "server killed and restarted mid-rendezvous",
@@ -46,6 +55,24 @@ SERVER_FAULTS = {
 BAD_INPUT = ("test_corrupt_round_record_names_the_key_and_reset_recovers", "test_corrupt_counter_is_a_state_error",
              "test_value_above_the_limit_fails_at_once", "test_multi_set_with_one_value_above_the_limit_writes_nothing")
 PAUSED_OPS = ("get", "put", "list", "add", "refresh", "watch", "store.get", "store.set")
+NETWORK_FAULTS = {
+    "test_black_hole_fails_each_operation_within_one_operation_timeout": "black hole: every operation",
+    "test_drop_fails_each_operation_promptly_with_connection_error": "drop: every operation",
+    "test_keepalive_outlives_a_black_hole_shorter_than_its_ttl": "keep-alive through a 2 s black hole (TTL 4 s)",
+    "test_next_rendezvous_succeeds_once_the_network_is_back": "next round after black hole, drop, pass",
+}
+NET_OPS = ("open", "get", "list", "put", "create", "compare_and_swap", "compare_and_delete", "delete", "add",
+           "refresh", "watch")
+NET_MODES = (("test_black_hole_fails_each_operation_within_one_operation_timeout", "black hole"),
+             ("test_drop_fails_each_operation_promptly_with_connection_error", "drop"))
+ERROR_ABBREV = {"BackendTimeout": "timeout", "BackendConnectionError": "conn. error"}
+CLUSTER_FAULTS = {
+    "test_leader_killed_mid_rendezvous": "leader killed mid-rendezvous",
+    "test_leader_killed_during_a_final_round": "leader killed during a final round",
+    "test_write_right_after_leader_death_is_not_held_for_the_whole_deadline": "`put` right after the leader's death",
+    "test_compare_guarded_writes_right_after_leader_death": "compare-guarded writes right after the leader's death",
+}
+CLOCK_FAULTS = {"test_agent_with_clock_30s_ahead_is_not_evicted": "one member's clock 30 s ahead (libfaketime)"}
 PHASES = ("setup", "join", "last_call", "confirm", "final")
 
 
@@ -124,6 +151,76 @@ def _server_fault_text(r: Result) -> str:
     return r.detail[:80] if r.outcome == "FAIL" else ""
 
 
+def _ops_text(p: dict[str, str]) -> str:
+    """``ops A–B s (errors)``, and the watch's time, from a network-fault test's properties."""
+    times = [p[f"{op}_s"] for op in NET_OPS if op != "watch" and f"{op}_s" in p]
+    if not times:
+        return ""
+    errors = sorted({p[f"{op}_error"] for op in NET_OPS if op != "watch" and f"{op}_error" in p})
+    text = f"ops {min(times, key=float)}–{max(times, key=float)} s ({', '.join(errors)})"
+    return text + (f", watch {p['watch_s']} s" if "watch_s" in p else "")
+
+
+def _fault_text(r: Result) -> str:
+    """What a network, cluster or clock test measured, for its cell (a failure's message if nothing)."""
+    p = r.props
+    if r.test in dict(NET_MODES):
+        text = _ops_text(p)
+    elif r.test == "test_keepalive_outlives_a_black_hole_shorter_than_its_ttl" and "hole_s" in p:
+        text = f"black hole {p['hole_s']} s"
+    elif "recovery_s" in p:
+        after = "pass" if r.test in NETWORK_FAULTS else "the kill"
+        text = f"round {p['recovery_s']} s after {after}"
+    elif "store_s" in p:
+        lapsed = p.get("keepalive_lapsed", "?").replace("False", "no").replace("True", "YES")
+        text = f"Store set+get {p['store_s']} s; keep-alives lapsed: {lapsed}"
+    elif "put_s" in p:
+        text = f"put {p['put_s']} s"
+    elif "guarded_s" in p:
+        text = f"all five {p['guarded_s']} s"
+    elif "skew_s" in p:
+        text = f"clock skew {p['skew_s']} s"
+    else:
+        text = ""
+    return text or (r.detail[:80] if r.outcome == "FAIL" else "")
+
+
+def _group(results: list[Result], title: str, tests: dict[str, str]) -> list[str]:
+    """A scenario x backend table for tests that choose their own backends (:data:`OWN_SCHEMES`),
+    then the reasons of any skips; nothing when none of ``tests`` ran."""
+    mine = [r for r in results if r.test in tests]
+    if not mine:
+        return []
+    columns = [b for b in OWN_SCHEMES if any(r.backend == b for r in mine)]
+    columns += sorted({r.backend for r in mine} - set(columns))
+    rows = [[name] + [_cell(r, _fault_text(r)) if (r := _find(results, test, b)) else "—" for b in columns]
+            for test, name in tests.items()]
+    out = [f"### {title}", ""] + _table(["scenario"] + columns, rows) + [""]
+    skips = sorted({r.detail for r in mine if r.outcome == "skip"})
+    return out + ([f"Skipped: {reason}" for reason in skips] + [""] if skips else [])
+
+
+def _network_ops(results: list[Result]) -> list[str]:
+    """Seconds (and error) of each operation through the black hole and the drop, per backend."""
+    columns = [(test, mode, b) for b in OWN_SCHEMES for test, mode in NET_MODES
+               if (r := _find(results, test, b)) and r.props]
+    if not columns:
+        return []
+
+    def cell(test: str, b: str, op: str) -> str:
+        p = _find(results, test, b).props  # type: ignore[union-attr]
+        if f"{op}_s" not in p:
+            return "—"
+        error = p.get(f"{op}_error", "")
+        return f"{p[f'{op}_s']} {ERROR_ABBREV.get(error, error)}".strip()
+
+    out = [f"Seconds each operation took through the proxy (`operation_timeout=1`), and what it raised "
+           f"({', '.join(f'{short}: `{name}`' for name, short in ERROR_ABBREV.items())}; a watch through the black "
+           "hole has a 1 s timeout and may also return `[]`):", ""]
+    rows = [[f"`{op}`"] + [cell(test, b, op) for test, _, b in columns] for op in NET_OPS]
+    return out + _table(["operation"] + [f"{b}: {mode}" for _, mode, b in columns], rows) + [""]
+
+
 def render(results: list[Result], backends: Sequence[str], command: str) -> str:
     """The markdown that goes between the markers."""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -157,6 +254,11 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
                 row.append(_cell(r, text) if r else "—")
             rows.append(row)
         out += _table(["V stopped at"] + list(backends), rows) + [""]
+    out += _group(results, "Network faults (`tests/test_network_faults.py`)", NETWORK_FAULTS)
+    out += _network_ops(results)
+    out += _group(results, "etcd leader failure, three-member cluster (`tests/test_etcd_cluster.py`)",
+                  CLUSTER_FAULTS)
+    out += _group(results, "Clock offset (`tests/test_clock_offset.py`)", CLOCK_FAULTS)
     out += ["### Bad input", ""]
     rows = []
     for test in BAD_INPUT:
@@ -165,7 +267,8 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
             label = f"`{test}`" + (f" [{case}]" if case else "")
             rows.append([label] + [_cell(_find(results, test, b, case)) for b in backends])
     out += _table(["test"] + list(backends), rows) + [""]
-    solo = [r for r in results if not r.backend and r.test not in SERVER_FAULTS]
+    own = set(NETWORK_FAULTS) | set(CLUSTER_FAULTS) | set(CLOCK_FAULTS)
+    solo = [r for r in results if not r.backend and r.test not in SERVER_FAULTS and r.test not in own]
     if solo:
         out += ["### State-machine cases run once (`memory://`)", ""]
         out += _table(["test", "outcome"], [[f"`{r.test}`" + (f" [{r.case}]" if r.case else ""), _cell(r)]
@@ -211,13 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         xml_path = args.from_xml
     else:
         xml_path = os.path.join(tempfile.mkdtemp(prefix="rdzv-reliability-"), "results.xml")
+        tests = [path for name in SOURCE_TESTS if os.path.exists(path := os.path.join(TESTS, name))]
         cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-n", args.n, f"--junitxml={xml_path}",
-               os.path.join(HERE, "test_faults.py")] + ([MATRIX] if os.path.exists(MATRIX) else [])
+               os.path.join(HERE, "test_faults.py"), *tests]
         cmd += ["-p", "rdzv_postgres.testing"] if has_pg and any(u.startswith("postgresql") for u in urls) else []
         for url in urls:
             cmd += ["--rdzv-url", url]
         status = subprocess.call(cmd, cwd=os.path.dirname(HERE))
-    body = render(read_results(xml_path, backends), backends, command)
+    body = render(read_results(xml_path, list(dict.fromkeys([*backends, *OWN_SCHEMES]))), backends, command)
     if args.write:
         _splice(args.write, body)
         print(f"wrote the results of {xml_path} into {args.write}")

@@ -314,3 +314,13 @@ def test_parameters_are_validated() -> None:
         RendezvousParams(min_nodes=1, keep_alive_ttl=0)
     with pytest.raises(ConfigError, match="min_nodes"):
         RendezvousParams(min_nodes=0)
+
+
+@pytest.mark.parametrize("run_id", ["a/b", "..", "", "x" * 129, "a\x00b", "job?min_nodes=1"])
+def test_a_run_id_that_could_escape_its_prefix_is_refused(kv, run_id: str) -> None:
+    """Also when the state machine is built in code rather than from a URL: ``a/b`` would live inside run ``a``."""
+    from rdzv_core import InvalidURLError
+
+    with pytest.raises(InvalidURLError) as info:
+        Rendezvous(kv, run_id, RendezvousParams(min_nodes=1))
+    assert info.value.field == "run_id"

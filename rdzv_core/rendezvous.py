@@ -67,6 +67,7 @@ from .errors import (
 )
 from .kv import Entry, KVBackend, escape_segment, join_key, parse_counter, wait_for_change
 from .keepalive import KeepAlive
+from .url import validate_run_id
 
 __all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress"]
 
@@ -196,11 +197,15 @@ class Rendezvous:
 
     Args:
         kv: the backend (not closed by this object).
-        run_id: the run id (validated by the URL layer; one key segment).
+        run_id: the run id: 1-128 characters from ``A-Za-z0-9_.-=+:@~``, not ``.``/``..``
+            (one key segment, so it cannot reach another run's keys).
         params: :class:`RendezvousParams`.
         on_progress: optional callback receiving :class:`Progress` while waiting.
 
     Thread-safety: one ``next_round`` at a time per object.
+
+    Raises:
+        InvalidURLError: ``run_id`` is not a valid run id (names the field and value).
     """
 
     def __init__(
@@ -211,7 +216,7 @@ class Rendezvous:
         on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.kv = kv
-        self.run_id = run_id
+        self.run_id = validate_run_id(run_id)
         self.params = params
         self.on_progress = on_progress
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
