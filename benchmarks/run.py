@@ -76,7 +76,7 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="N=8, one repetition, c10d baseline only (< 60 s)")
     mode.add_argument("--quick", action="store_true", help="N up to 256, fewer repetitions (~4 minutes)")
-    p.add_argument("--out-dir", help="where benchmarks.json/.png go (default: docs/ for the full run, else a temp dir)")
+    p.add_argument("--out-dir", help="where benchmarks.json/.png go (default: docs/ for the full run of the whole plan; a temp dir with --targets/--sizes or --quick/--smoke)")
     p.add_argument("--targets", help="comma-separated subset of: " + ",".join(RDZV_TARGETS)
                    + ",torch:c10d,torch:etcd-v2,torch:etcd")
     p.add_argument("--sizes", help="comma-separated N values (overrides the mode's)")
@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"unknown target(s) {unknown}; choose from {RDZV_TARGETS + list(report.BASELINES)}", file=sys.stderr)
         return 2
-    out_dir = args.out_dir or (DOCS if mode == "full" else tempfile.mkdtemp(prefix=f"rdzv-bench-{mode}-"))
+    recorded = mode == "full" and not (args.targets or args.sizes)  # only the whole plan replaces docs/
+    out_dir = args.out_dir or (DOCS if recorded else tempfile.mkdtemp(prefix=f"rdzv-bench-{mode}-"))
     os.makedirs(out_dir, exist_ok=True)
     client_modes = {t: (AUTO_CLIENT_MODE.get(t, "shared") if args.client_mode == "auto" else args.client_mode)
                     for t in targets if t in RDZV_TARGETS}
