@@ -76,7 +76,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--smoke", action="store_true", help="N=8, one repetition, c10d baseline only (< 60 s)")
     mode.add_argument("--quick", action="store_true", help="N up to 256, fewer repetitions (~4 minutes)")
-    p.add_argument("--out-dir", help="where benchmarks.json/.png go (default: docs/ for the full run of the whole plan; a temp dir with --targets/--sizes or --quick/--smoke)")
+    p.add_argument("--out-dir", help="where benchmarks.json/.png go (default: docs/ for the full run of the whole "
+                                     "plan; a temp dir with --targets/--sizes or --quick/--smoke)")
     p.add_argument("--targets", help="comma-separated subset of: " + ",".join(RDZV_TARGETS)
                    + ",torch:c10d,torch:etcd-v2,torch:etcd")
     p.add_argument("--sizes", help="comma-separated N values (overrides the mode's)")
