@@ -197,7 +197,8 @@ def test_a_traceback_with_torchs_rank_prefix_is_the_error(handler, tmp_path):
     with pytest.raises(WorkerGroupFailureException) as info:
         agent.run()
     failure = info.value.get_worker_exceptions()[1]
-    assert failure.exit_code == 1
+    # 1 from the uncaught exception, or SIGABRT when gloo's destructor aborts at exit (torch 2.13 does, sometimes)
+    assert failure.exit_code in (1, -signal.SIGABRT)
     assert failure.error == f"RuntimeError: {marker}"
     with open(failure.log_path) as f:
         assert f"[rank1]: RuntimeError: {marker}" in f.read()  # the prefix was there to be read past
