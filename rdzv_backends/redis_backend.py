@@ -210,7 +210,6 @@ _AFTER_DELETE = {
     "#rev": "nothing is lost without it (revisions go on after the log's last)",
     "#epoch": "nothing is lost without it",
     "#log": "without it, the event history is lost: watchers get HistoryCompacted and re-read",
-    "#keys": "without it, list() and `rdzv reset` miss the keys written before until they are written again",
     "#ttl": "without it, keys with a TTL expire in Redis alone, each recorded when a client next touches it",
 }
 #: Largest value accepted (bytes). The value is held twice (data + log), so 64 MiB, not Redis' 512 MiB.
@@ -363,6 +362,12 @@ class _ErrorMap:
                    else f"DEL {shlex.quote(name)}")
             return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} holds the member {member!r}, "
                                 f"which {why}: not written by rdzv; remove it: {cli} {fix}", None)
+        if name[len(self.prefix):] == "#keys":  # the index cannot be rebuilt: clear the whole namespace
+            pattern = shlex.quote(self.prefix.replace("*", "\\*") + "*")
+            return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
+                                f"it indexes every key of the namespace and cannot be rebuilt, so delete the whole "
+                                f"namespace (every run in it): {cli} --scan --pattern {pattern} | xargs {cli} DEL",
+                                None)
         cost = _AFTER_DELETE.get(name[len(self.prefix):], "")
         return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
                             f"{cost}; delete it: {cli} DEL {shlex.quote(name)}", None)

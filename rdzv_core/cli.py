@@ -200,8 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rdzv: {exc}", file=sys.stderr)
         return 2
     except (RendezvousStateError, CorruptEntry) as exc:
-        print(f"rdzv: {type(exc).__name__}: {exc} (to start the run afresh: rdzv reset <the same URL>)",
-              file=sys.stderr)
+        # a key of the run can be reset; bad backend bookkeeping (key None) names its own remedy
+        hint = " (to start the run afresh: rdzv reset <the same URL>)" if exc.key is not None else ""
+        print(f"rdzv: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return 1
     except BackendUnavailable as exc:
         print(f"rdzv: {type(exc).__name__}: {exc} (is the server running and the URL right?)", file=sys.stderr)

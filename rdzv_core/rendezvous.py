@@ -76,6 +76,7 @@ log = logging.getLogger(__name__)
 SETUP, JOINABLE, FROZEN, FINAL, CLOSED = "setup", "joinable", "frozen", "final", "closed"
 _STATUSES = (SETUP, JOINABLE, FROZEN, FINAL)  # CLOSED is its own key
 MAX_STATE_BYTES = 4096
+MIN_KEEP_ALIVE_TTL = 0.1  #: seconds
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,11 @@ class RendezvousParams:
             raise ConfigError("min_nodes", self.min_nodes, f"greater than max_nodes={self.max_nodes}")
         for name in ("timeout", "last_call_timeout", "keep_alive_ttl"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ConfigError(name, value, "must be a finite number of seconds > 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e7:
+                raise ConfigError(name, value, "must be a number of seconds > 0 and <= 1e7")
+        if self.keep_alive_ttl < MIN_KEEP_ALIVE_TTL:
+            raise ConfigError("keep_alive_ttl", self.keep_alive_ttl,
+                              f"must be >= {MIN_KEEP_ALIVE_TTL} s (it is refreshed every TTL/3 over the network)")
 
 
 @dataclass(frozen=True)
@@ -262,9 +266,8 @@ class Rendezvous:
                     if retry.delay:
                         backoff.sleep(deadline)
                 except CorruptEntry as exc:
-                    raise RendezvousStateError(
-                        f"run {self.run_id}: {exc}; reset the run's state (rdzv reset URL)", exc.key
-                    ) from exc
+                    remedy = "; reset the run's state (rdzv reset URL)" if exc.key is not None else ""
+                    raise RendezvousStateError(f"run {self.run_id}: {exc}{remedy}", exc.key) from exc
                 except BackendUnavailable as exc:
                     last_error = exc
                     self._log(logging.WARNING, "backend unavailable, retrying until the deadline: %s", exc)
@@ -393,7 +396,7 @@ class Rendezvous:
         try:
             setup = self.kv.create(self._state_key, _encode({"status": SETUP}), ttl=ttl)
         except KeyExists:
-            raise _Retry("another node is setting up a round") from None
+            raise _Retry("another node is setting up a round", delay=True) from None  # backoff: no busy loop
         version = self._add(join_key(self.root, "counter", "version"))
         state = _round_record(JOINABLE, version, uuid.uuid4().hex[:16])
         try:

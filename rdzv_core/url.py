@@ -40,25 +40,34 @@ _RUN_ID = re.compile(r"[A-Za-z0-9_.\-=+:@~]+")
 _SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*")
 
 
-def to_int(field_name: str, raw: str, minimum: int = 0) -> int:
-    """Convert a query value to an int >= ``minimum`` or raise :class:`InvalidURLError`."""
+#: Largest int a query value may hold (node counts, database numbers, pool sizes).
+MAX_INT = 1_000_000
+#: Largest number of seconds a query value may hold (about 115 days): a finite time that
+#: every client library and server can represent (``1e308`` overflowed Redis's milliseconds).
+MAX_SECONDS = 10_000_000.0
+
+
+def to_int(field_name: str, raw: str, minimum: int = 0, maximum: int = MAX_INT) -> int:
+    """Convert a query value to an int in ``[minimum, maximum]`` or raise :class:`InvalidURLError`."""
     try:
         value = int(raw, 10)
     except ValueError:
         raise InvalidURLError(field_name, raw, "not an integer") from None
     if value < minimum:
         raise InvalidURLError(field_name, raw, f"must be >= {minimum}")
+    if value > maximum:
+        raise InvalidURLError(field_name, raw, f"must be <= {maximum}")
     return value
 
 
 def to_positive_float(field_name: str, raw: str) -> float:
-    """Convert a query value to a finite float > 0 (seconds) or raise :class:`InvalidURLError`."""
+    """Convert a query value to seconds in ``(0, MAX_SECONDS]`` or raise :class:`InvalidURLError`."""
     try:
         value = float(raw)
     except ValueError:
         raise InvalidURLError(field_name, raw, "not a number of seconds") from None
-    if not (0 < value < float("inf")):
-        raise InvalidURLError(field_name, raw, "must be a finite number of seconds > 0")
+    if not (0 < value <= MAX_SECONDS):
+        raise InvalidURLError(field_name, raw, f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}")
     return value
 
 

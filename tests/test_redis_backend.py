@@ -485,8 +485,16 @@ def test_reset_style_cleanup_deletes_every_corrupt_key(server: RedisServer, fres
 
 
 def run_advice(server: RedisServer, exc: CorruptEntry) -> None:
-    """Run the ``redis-cli`` command that ends the message of a bookkeeping CorruptEntry."""
-    argv = shlex.split(str(exc)[str(exc).rindex("redis-cli "):])
+    """Run the ``redis-cli`` command that ends the message of a bookkeeping CorruptEntry
+    (``redis-cli ... --scan --pattern P | xargs redis-cli ... DEL`` for ``#keys``: the namespace goes)."""
+    text = str(exc)
+    if "--scan --pattern" in text:
+        argv = shlex.split(text[text.index("redis-cli "):text.index(" | xargs")])
+        assert argv[:7] == ["redis-cli", "-h", server.host, "-p", str(server.port), "-n", "0"], argv
+        for name in raw(server, "KEYS", argv[9]):
+            raw(server, "DEL", name)
+        return
+    argv = shlex.split(text[text.rindex("redis-cli "):])
     assert argv[:7] == ["redis-cli", "-h", server.host, "-p", str(server.port), "-n", "0"], argv
     raw(server, *argv[7:])
 

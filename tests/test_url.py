@@ -120,3 +120,16 @@ def test_only_documented_errors_escape(scheme: str, netloc: str, path: str, quer
         assert exc.field and repr(exc.field) in str(exc)  # named (escaped, as repr shows it)
     else:
         assert isinstance(parsed, RendezvousURL) and parsed.run_id
+
+
+@pytest.mark.parametrize("query, field", [("keep_alive_ttl=1e308", "keep_alive_ttl"),
+                                          ("operation_timeout=1e308", "operation_timeout"),
+                                          ("min_nodes=99999999999999999999", "min_nodes"),
+                                          ("keep_alive_ttl=0.001", "keep_alive_ttl")])
+def test_values_beyond_what_clients_can_represent_are_refused(query: str, field: str) -> None:
+    """1e308 s overflowed Redis's milliseconds; a 1 ms TTL cannot be refreshed over a network."""
+    from rdzv_core import ConfigError, create_handler
+
+    with pytest.raises(ConfigError) as info:
+        create_handler(f"memory://bounds/job?{query}")
+    assert info.value.field == field
