@@ -27,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Iterator
 
 from rdzv_core.errors import BackendTimeout, CorruptEntry, HistoryCompacted, KVError
-from rdzv_core.kv import Event
+from rdzv_core.kv import Event, watch_prefixes
 
 if TYPE_CHECKING:
     from rdzv_backends.file import FileBackend
@@ -211,7 +211,6 @@ class _Poller:
             _event,
             _events_by_revision,
             _meta_int,
-            _prefixes,
         )
 
         path = self._shared.path
@@ -227,7 +226,7 @@ class _Poller:
             if live:
                 low = min(w.cursor for w in live)
                 for rev, key in conn.execute("SELECT revision, key FROM events WHERE revision > ?", (low,)):
-                    for prefix in _prefixes(key) if type(key) is str else ("",):
+                    for prefix in watch_prefixes(key) if type(key) is str else ("",):
                         for waiter in by_prefix.get(prefix, ()):
                             if rev > waiter.cursor >= oldest:
                                 matched.setdefault(rev, []).append(waiter)

@@ -680,16 +680,6 @@ def _compacted_message(after: int, revision: int) -> str:
     return f"events after revision {after} were compacted (oldest kept: {revision - HISTORY_LIMIT + 1})"
 
 
-def _prefixes(key: str) -> list[str]:
-    """Every watch prefix that selects ``key``: ``""`` and each ``"seg/.../"`` above it."""
-    out = [""]
-    start = 0
-    while (slash := key.find("/", start)) != -1:
-        start = slash + 1
-        out.append(key[:start])
-    return out
-
-
 def _range(prefix: str, column: str = "key") -> tuple[str, tuple[str, ...]]:
     """SQL condition and arguments selecting the ``column`` values that start with ``prefix``."""
     if not prefix:

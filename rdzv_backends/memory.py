@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass, field
 
 from rdzv_core.errors import CompareFailed, HistoryCompacted, InvalidURLError, KeyExists, KeyNotFound
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter
+from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter, watch_prefixes
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
@@ -180,7 +180,7 @@ class _Keyspace:
             del self.history[: len(self.history) - HISTORY_LIMIT]
         if not self.waiters:
             return
-        for prefix in _prefixes(event.key):
+        for prefix in watch_prefixes(event.key):
             group = self.waiters.pop(prefix, None)
             if group is None:
                 continue
@@ -429,16 +429,6 @@ class MemoryBackend(KVBackend):
     def _do_close(self) -> None:
         with self._ks.guard:
             self._ks.wake_owner(self)
-
-
-def _prefixes(key: str) -> list[str]:
-    """Every watch prefix that selects ``key``: ``""`` and each ``"seg/.../"`` above it."""
-    out = [""]
-    start = 0
-    while (slash := key.find("/", start)) != -1:
-        start = slash + 1
-        out.append(key[:start])
-    return out
 
 
 def _after(history: list[Event], revision: int) -> list[Event]:

@@ -76,6 +76,7 @@ __all__ = [
     "check_prefix",
     "wait_for_change",
     "parse_counter",
+    "watch_prefixes",
 ]
 
 MAX_KEY_CHARS = 1024
@@ -425,6 +426,20 @@ def _check_revision(revision: int) -> int:
     if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
         raise InvalidKeyError("expected_revision", revision, "a revision is an int >= 1")
     return revision
+
+
+def watch_prefixes(key: str) -> list[str]:
+    """Every prefix that selects ``key`` (see Prefixes): ``""`` and each ``"seg/.../"`` above it.
+
+    For backends that index blocked watches by prefix: an event on ``key`` concerns
+    exactly the watches registered under one of these (``len(key.split("/"))`` of them).
+    """
+    out = [""]
+    start = 0
+    while (slash := key.find("/", start)) != -1:
+        start = slash + 1
+        out.append(key[:start])
+    return out
 
 
 def parse_counter(key: str, raw: bytes) -> int:
