@@ -42,9 +42,8 @@ from rdzv_core import (
     ValueTooLarge,
     open_backend,
 )
-from rdzv_core.errors import KVError
 
-from .test_rendezvous import Agent, round_of
+from .test_rendezvous import Agent, crew_of, round_of
 
 pytestmark = pytest.mark.faults
 
@@ -95,24 +94,9 @@ def server(rdzv_server: Any) -> Iterator[Any]:
 @pytest.fixture
 def crew(fast_kv: Callable[[], KVBackend]) -> Iterator[Callable[..., list[Agent]]]:
     """``crew(n, **params)`` -> n agents of one fresh run, each on its own fast client (not started)."""
-    run_id = f"faults{uuid.uuid4().hex[:10]}"
-    made: list[Agent] = []
-
-    def make(n: int, **params: Any) -> list[Agent]:
-        p = RendezvousParams(**{"keep_alive_ttl": TTL, "last_call_timeout": LAST_CALL, "timeout": OVERALL, **params})
-        new = [Agent(fast_kv(), run_id, p) for _ in range(n)]
-        made.extend(new)
-        return new
-
-    yield make
-    for agent in made:
-        if agent.thread is not None and agent.thread.is_alive():
-            agent.kv.close()  # a failed test's agent: BackendClosed ends its next_round at once
-            agent.thread.join(10)
-        try:
-            agent.rdzv.leave()
-        except KVError:
-            pass  # closed, or the server is away: the key lapses by its TTL
+    defaults = {"keep_alive_ttl": TTL, "last_call_timeout": LAST_CALL, "timeout": OVERALL}
+    with crew_of(fast_kv, "faults", defaults, leave=True) as make:
+        yield make
 
 
 def _eventually(fn: Callable[[], T], deadline: float) -> T:

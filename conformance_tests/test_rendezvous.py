@@ -7,15 +7,17 @@ sizes, versions and raised errors.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import uuid
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from rdzv_core import (
     KVBackend,
+    KVError,
     Rendezvous,
     RendezvousClosed,
     RendezvousParams,
@@ -61,6 +63,37 @@ class Agent:
             raise self.error
         assert self.result is not None
         return self.result
+
+
+@contextlib.contextmanager
+def crew_of(clients: Callable[[], KVBackend], run_prefix: str, defaults: dict[str, Any],
+            leave: bool = False) -> Iterator[Callable[..., list[Agent]]]:
+    """``make(n, **params)`` -> n agents of one fresh run (``run_prefix`` + random), each on its own
+    ``clients()`` client, with ``RendezvousParams(**defaults, **params)`` (not started).
+
+    On exit an agent still running (a failed test's) has its client closed, which ends its
+    ``next_round`` at once; with ``leave`` every agent then leaves its round (a backend error
+    there is ignored: the key lapses by its TTL).
+    """
+    run_id = f"{run_prefix}{uuid.uuid4().hex[:10]}"
+    made: list[Agent] = []
+
+    def make(n: int, **params: Any) -> list[Agent]:
+        p = RendezvousParams(**{**defaults, **params})
+        new = [Agent(clients(), run_id, p) for _ in range(n)]
+        made.extend(new)
+        return new
+
+    yield make
+    for agent in made:
+        if agent.thread is not None and agent.thread.is_alive():
+            agent.kv.close()  # a failed test's agent: BackendClosed ends its next_round at once
+            agent.thread.join(10)
+        if leave:
+            try:
+                agent.rdzv.leave()
+            except KVError:
+                pass
 
 
 def round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:

@@ -41,11 +41,10 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from conformance_tests.etcd_cluster import EtcdCluster, EtcdMember
-from conformance_tests.test_rendezvous import Agent, round_of
+from conformance_tests.test_rendezvous import Agent, crew_of, round_of
 from rdzv_core import (
     EventType,
     KVBackend,
-    RendezvousParams,
     list_backends,
     open_backend,
 )
@@ -116,20 +115,9 @@ def clients(cluster: EtcdCluster, leader: EtcdMember, scheme: str) -> Iterator[C
 @pytest.fixture
 def crew(clients: Callable[[], KVBackend]) -> Iterator[Callable[..., list[Agent]]]:
     """``crew(n, **params)`` -> n agents of one fresh run, each on its own client (not started)."""
-    run_id = f"cluster{uuid.uuid4().hex[:10]}"
-    made: list[Agent] = []
-
-    def make(n: int, **params: Any) -> list[Agent]:
-        p = RendezvousParams(**{"keep_alive_ttl": TTL, "last_call_timeout": LAST_CALL, "timeout": OVERALL, **params})
-        new = [Agent(clients(), run_id, p) for _ in range(n)]
-        made.extend(new)
-        return new
-
-    yield make
-    for agent in made:
-        if agent.thread is not None and agent.thread.is_alive():
-            agent.kv.close()  # a failed test's agent: BackendClosed ends its next_round at once
-            agent.thread.join(10)
+    defaults = {"keep_alive_ttl": TTL, "last_call_timeout": LAST_CALL, "timeout": OVERALL}
+    with crew_of(clients, "cluster", defaults) as make:
+        yield make
 
 
 # -- tests ------------------------------------------------------------------------------------
