@@ -364,6 +364,27 @@ def test_refresh_absent_key(kv: KVBackend, key_prefix: str) -> None:
         kv.refresh(key_prefix + "never", 1.0)
 
 
+def test_ttl_remaining_reports_the_time_left(kv: KVBackend, key_prefix: str, capabilities: Any) -> None:
+    """Optional operation: ``ttl_remaining`` (``NotImplementedError`` = the backend cannot tell: skipped)."""
+    plain, timed = key_prefix + "t/plain", key_prefix + "t/timed"
+    kv.put(plain, b"x")
+    kv.put(timed, b"x", ttl=30.0)
+    try:
+        left = kv.ttl_remaining(timed)
+    except NotImplementedError:
+        pytest.skip("the backend does not report remaining TTLs (optional)")
+    slack = 1.0 + capabilities.ttl_resolution  # etcd counts whole seconds and may round up
+    assert left is not None and 30.0 - 10.0 < left <= 30.0 + slack, f"30 s TTL just written, reported {left!r} s left"
+    assert kv.ttl_remaining(plain) is None, "a key without TTL must report None"
+    kv.refresh(timed, 120.0)
+    after = kv.ttl_remaining(timed)
+    assert after is not None and 120.0 - 10.0 < after <= 120.0 + slack, f"refreshed to 120 s, reported {after!r} s"
+    kv.put(timed, b"y")
+    assert kv.ttl_remaining(timed) is None, "writing with ttl=None must remove the TTL"
+    with raises(KeyNotFound, "ttl_remaining of an absent key must raise KeyNotFound"):
+        kv.ttl_remaining(key_prefix + "t/never")
+
+
 def test_write_without_ttl_clears_ttl(kv: KVBackend, key_prefix: str, capabilities: Any) -> None:
     by_put, by_cas = key_prefix + "t/put", key_prefix + "t/cas"
     kv.put(by_put, b"x", ttl=TTL)

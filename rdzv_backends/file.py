@@ -445,6 +445,16 @@ class FileBackend(KVBackend):
 
         return self._read(_GET, (key,), build)
 
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        def build(rows: list[tuple[object, ...]], revision: int) -> float | None:
+            _, _, found, value, rev, expires = rows[0]
+            if found is None:
+                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            expiry = _check_row(self.path, key, (value, rev, expires))[2]
+            return None if expiry is None else max(0.0, expiry - time.time())
+
+        return self._read(_GET, (key,), build)
+
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
         where, args = _range(prefix, "kv.key")
 

@@ -369,6 +369,13 @@ class MemoryBackend(KVBackend):
             self._ks.data[key] = (item[0], item[1], expires)
             self._ks.schedule(key, expires)
 
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        with self._ks.guard:
+            item = self._ks.live(key)
+        if item is None:
+            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+        return None if item[2] is None else max(0.0, item[2] - time.monotonic())
+
     def _do_add(self, key: str, delta: int) -> int:
         with self._ks.guard:
             item = self._ks.live(key)

@@ -356,6 +356,22 @@ class KVBackend(abc.ABC):
             raise InvalidKeyError("after_revision", after_revision, "a revision is an int >= 0")
         return self._do_watch(check_prefix(prefix), after_revision, _check_timeout(timeout))
 
+    def ttl_remaining(self, key: str) -> float | None:
+        """Seconds (float >= 0) until ``key`` expires, or ``None`` if it has no TTL.
+
+        For operators (``rdzv status`` shows how long ago each member's keep-alive
+        was refreshed); the rendezvous does not depend on it. Judged by the same
+        clock as expiry (the server's, or the host's for server-less backends), to
+        that backend's resolution (etcd: whole seconds).
+
+        Raises:
+            KeyNotFound: the key is absent (or expired).
+            NotImplementedError: the backend cannot tell (the default for plugins
+                that do not implement ``_do_ttl_remaining``).
+        """
+        self._check_open()
+        return self._do_ttl_remaining(check_key(key))
+
     def close(self) -> None:
         """Release connections and threads; later calls raise :class:`BackendClosed`."""
         if not self._closed:
@@ -420,6 +436,10 @@ class KVBackend(abc.ABC):
 
     @abc.abstractmethod
     def _do_close(self) -> None: ...
+
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        """Optional (see :meth:`ttl_remaining`); backends that can tell override it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot report a key's remaining TTL")
 
 
 def _check_revision(revision: int) -> int:
