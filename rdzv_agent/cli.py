@@ -14,9 +14,18 @@ torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
 from the environment variable ``RDZV_URL`` (keeps a password off the command
 line and out of ``ps``).
 
+As with torchrun, every option shared with it can be set with the environment
+variable ``PET_<OPTION>`` (``PET_NPROC_PER_NODE=4``, ``PET_NNODES=2:4``,
+``PET_RDZV_ENDPOINT``, ``PET_STANDALONE=1``, ...: torch's own
+``torch.distributed.argparse_util.env``/``check_env`` actions); the command-line
+flag wins. A variable's value is checked like the flag's, and a bad one is
+reported naming the variable (exit status 2). ``--rdzv`` (``RDZV_URL``) and
+``--log-level`` (``LOGLEVEL``) are this launcher's own.
+
 :func:`build_config` turns the arguments into a :class:`LaunchConfig`: the final
-rendezvous URL (``--nnodes`` and ``--rdzv-conf`` merged into its query,
-overriding the same keys there) and the worker command. ``--rdzv-backend``,
+rendezvous URL (``--rdzv-conf`` merged into its query, overriding the same keys
+there; ``--nnodes`` fills in ``min_nodes``/``max_nodes`` and must agree with them
+where the URL or ``--rdzv-conf`` gives them) and the worker command. ``--rdzv-backend``,
 ``--rdzv-endpoint`` and ``--rdzv-id`` are checked and quoted before they become
 a URL, so none of them can add a query key or another path segment.
 
@@ -57,8 +66,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from torch.distributed.argparse_util import check_env, env
+
 from rdzv_core.errors import ConfigError, InvalidURLError
-from rdzv_core.url import QUERY_ALIASES, parse_url, validate_run_id
+from rdzv_core.url import QUERY_ALIASES, RENDEZVOUS_QUERY_KEYS, parse_url, validate_run_id
 
 from .api import DEFAULT_ROLE
 from .streams import Std, parse_std
@@ -222,25 +233,112 @@ def _std(option: str):  # type: ignore[no-untyped-def]
     return convert
 
 
+_GIVEN = "_rdzv_run_flags_given"  # namespace attribute: dests given on the command line
+
+
+class _PetValue(env):
+    """torch's ``env`` action: ``PET_<DEST>`` gives the default; checked here at once, like the flag.
+
+    torch leaves the variable's text as the default for argparse to convert at
+    the end; a bad one would then be reported as the flag's. Here it is
+    converted (``type``, ``choices``) when the parser is built: on success the
+    converted value becomes the default, on failure the option's own default
+    stays and :attr:`env_error` holds the reason (reported by :func:`build_config`,
+    unless the flag is given on the command line, which wins).
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, default: Any = None, **kwargs: Any) -> None:
+        super().__init__(option_strings=option_strings, dest=dest, default=default, **kwargs)
+        self.env_name = f"PET_{dest.upper()}"
+        self.env_raw = os.environ.get(self.env_name)
+        self.env_error: str | None = None
+        if self.env_raw is None:
+            return
+        try:
+            value = self.type(self.env_raw) if callable(self.type) else self.env_raw
+        except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
+            self.default, self.env_error = default, str(exc) or "invalid value"
+            return
+        if self.choices is not None and value not in self.choices:
+            self.default, self.env_error = default, f"expected one of {', '.join(map(str, self.choices))}"
+            return
+        self.default = value
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        namespace.__dict__.setdefault(_GIVEN, set()).add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _PetFlag(check_env):
+    """torch's ``check_env`` action (``PET_<DEST>=1`` sets the flag); a non-integer value is an error.
+
+    torch's raises ``ValueError`` while the parser is built; here the flag stays
+    off and :attr:`env_error` holds the reason (see :class:`_PetValue`).
+    """
+
+    def __init__(self, option_strings: list[str], dest: str, default: bool = False, **kwargs: Any) -> None:
+        self.env_name = f"PET_{dest.upper()}"
+        self.env_raw = os.environ.get(self.env_name)
+        self.env_error: str | None = None
+        try:
+            int(self.env_raw) if self.env_raw is not None else 0
+        except ValueError:
+            self.env_error = "expected an integer (0: off, other: on), as torchrun reads it"
+            argparse.Action.__init__(self, option_strings=option_strings, dest=dest, const=True, default=default,
+                                     nargs=0, **kwargs)
+            return
+        super().__init__(option_strings=option_strings, dest=dest, default=default, **kwargs)
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        namespace.__dict__.setdefault(_GIVEN, set()).add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+class _Parser(argparse.ArgumentParser):
+    """Records, in the namespace, which values came from ``PET_*`` variables.
+
+    After parsing, ``from_env`` maps each such dest to its variable's name and
+    ``env_errors`` lists ``(variable, value, reason)`` for bad ones (flags given on
+    the command line win: their variables are neither used nor checked).
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Any = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        ns, extras = super().parse_known_args(args, namespace)
+        given = ns.__dict__.pop(_GIVEN, set())
+        ns.from_env, ns.env_errors = {}, []
+        for action in self._actions:
+            if isinstance(action, (_PetValue, _PetFlag)) and action.env_raw is not None and action.dest not in given:
+                ns.from_env[action.dest] = action.env_name
+                if action.env_error is not None:
+                    ns.env_errors.append((action.env_name, action.env_raw, action.env_error))
+        return ns, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``rdzv-run`` argument parser."""
-    p = argparse.ArgumentParser(
+    """The ``rdzv-run`` argument parser (options shared with torchrun also read ``PET_<OPTION>``)."""
+    p = _Parser(
         prog="rdzv-run",
         description="Launch elastic PyTorch workers on this node (torchrun's options, any rdzv backend).",
+        epilog="As with torchrun, each option shared with torchrun can also be set with the environment variable "
+               "PET_<OPTION> (e.g. PET_NPROC_PER_NODE=4, PET_STANDALONE=1); the command line wins.",
         allow_abbrev=False,
     )
 
-    def opt(*names: str, **kwargs: Any) -> None:
+    def opt(*names: str, pet: bool = True, **kwargs: Any) -> None:
         spellings = list(names)
         for name in names:
             if name.startswith("--") and "-" in name[2:]:
                 spellings.append("--" + name[2:].replace("-", "_"))
+        if pet:  # torchrun's option: PET_<OPTION> as well
+            kwargs["action"] = _PetFlag if kwargs.get("action") == "store_true" else _PetValue
         p.add_argument(*spellings, **kwargs)
 
     opt("--nnodes", type=_nnodes, default=None, metavar="MIN[:MAX]",
         help="nodes in the job: a number or MIN:MAX for an elastic job (default: the URL's, else 1:1)")
     opt("--nproc-per-node", type=_nproc, default=1, metavar="N", help="workers on this node (default 1)")
-    opt("--rdzv", default=None, metavar="URL",
+    opt("--rdzv", pet=False, default=None, metavar="URL",
         help=f"rendezvous URL SCHEME://HOST:PORT/RUN_ID?key=value (or env {URL_ENV})")
     opt("--rdzv-backend", default=None, metavar="NAME", help="backend scheme, with --rdzv-endpoint and --rdzv-id")
     opt("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="backend address (a directory for file)")
@@ -274,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"static rendezvous: node rank 0's store port (default {STATIC_DEFAULT_PORT}); "
              "elastic: the workers' MASTER_PORT (default: a free port each round)")
     opt("--local-addr", default=None, metavar="ADDR", help="address to publish as MASTER_ADDR (default: FQDN)")
-    opt("--log-level", default=None, metavar="LEVEL", help="launcher log level (default: env LOGLEVEL or WARNING)")
+    opt("--log-level", pet=False, default=None, metavar="LEVEL",
+        help="launcher log level (default: env LOGLEVEL or WARNING)")
     p.add_argument("script", metavar="SCRIPT", help="training script, module (-m) or executable (--no-python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments of SCRIPT")
     return p
@@ -358,7 +457,10 @@ def _mode(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, st
     modes = [name for name, used in (("--standalone", args.standalone), ("--rdzv", args.rdzv is not None),
                                      ("--rdzv-backend", any(x is not None for x in parts))) if used]
     if len(modes) > 1:
-        raise ConfigError("rendezvous", " and ".join(modes), "give only one of --rdzv, --rdzv-backend/"
+        backend_opts = [o for o, v in zip(("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"), parts, strict=True)
+                        if v is not None]
+        shown = [_shown(args, backend_opts[0] if m == "--rdzv-backend" else m) for m in modes]
+        raise ConfigError("rendezvous", " and ".join(shown), "give only one of --rdzv, --rdzv-backend/"
                           "--rdzv-endpoint/--rdzv-id and --standalone")
     if modes == ["--standalone"]:
         return "standalone", None
@@ -455,12 +557,43 @@ def _elastic_url(args: argparse.Namespace, mode: str, url_arg: str | None) -> tu
                 raise ConfigError(name, value, "--rdzv-backend, --rdzv-endpoint and --rdzv-id go together")
         url = backend_url(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)
 
-    url = merge_query(url, _rdzv_conf(args.rdzv_conf))
+    conf = _rdzv_conf(args.rdzv_conf)
+    url = merge_query(url, conf)
     if min_nodes is not None:
-        url = merge_query(url, {"min_nodes": str(min_nodes), "max_nodes": str(max_nodes)})
+        url = _merge_nnodes(args, url, conf, min_nodes, max_nodes)  # type: ignore[arg-type]
     elif not _query_has(url, ("min_nodes", "max_nodes")):
         url = merge_query(url, {"min_nodes": "1", "max_nodes": "1"})  # torchrun's default --nnodes 1:1
     return url, min_nodes, max_nodes
+
+
+def _merge_nnodes(args: argparse.Namespace, url: str, conf: Mapping[str, str], lo: int, hi: int) -> str:
+    """``url`` with ``--nnodes LO:HI`` as ``min_nodes``/``max_nodes`` where the query does not give them.
+
+    Where the URL (or ``--rdzv-conf``) gives them, their values are checked as the
+    URL parser does and must equal ``--nnodes``'s: the flag never silently
+    overrides the URL.
+
+    Raises:
+        InvalidURLError: a bad ``min_nodes``/``max_nodes`` value (names the key and value).
+        ConfigError: naming ``--nnodes`` (or ``PET_NNODES``), the query key and both values when they disagree.
+    """
+    in_url: dict[str, tuple[str, int]] = {}  # canonical key -> (key as written, value)
+    for raw_key, raw in urllib.parse.parse_qsl(url.partition("?")[2], keep_blank_values=True):
+        key = QUERY_ALIASES.get(raw_key, raw_key)
+        if key in ("min_nodes", "max_nodes"):
+            in_url[key] = (raw_key, RENDEZVOUS_QUERY_KEYS[key](raw_key, raw))
+    if "min_nodes" in in_url and "max_nodes" in in_url and in_url["min_nodes"][1] > in_url["max_nodes"][1]:
+        raise InvalidURLError(in_url["min_nodes"][0], in_url["min_nodes"][1],
+                              f"greater than {in_url['max_nodes'][0]}={in_url['max_nodes'][1]}")
+    flag = _shown(args, "--nnodes")
+    for key, wanted in (("min_nodes", lo), ("max_nodes", hi)):
+        if key in in_url and in_url[key][1] != wanted:
+            raw_key, value = in_url[key]
+            where = "--rdzv-conf" if any(QUERY_ALIASES.get(k, k) == key for k in conf) else "the URL's query"
+            raise ConfigError(flag, f"{lo}:{hi}", f"disagrees with {raw_key}={value} in {where}; "
+                              f"give the node counts once, or the same in both")
+    missing = {k: str(v) for k, v in (("min_nodes", lo), ("max_nodes", hi)) if k not in in_url}
+    return merge_query(url, missing) if missing else url
 
 
 def _check_elastic_master(args: argparse.Namespace, url: str) -> str | None:
@@ -505,9 +638,34 @@ def build_config(args: argparse.Namespace, environ: Mapping[str, str] | None = N
     """Validate the parsed arguments and build the :class:`LaunchConfig`.
 
     Raises:
-        ConfigError: conflicting, missing or unsupported options (names the option and value).
+        ConfigError: conflicting, missing or unsupported options, or a bad ``PET_*``
+            variable (names the option, or the variable it came from, and the value).
     """
-    mode, url_arg = _mode(args, os.environ if environ is None else environ)
+    for name, raw, reason in getattr(args, "env_errors", ()):
+        raise ConfigError(name, raw, reason)
+    try:
+        return _build_config(args, os.environ if environ is None else environ)
+    except ConfigError as exc:
+        env_name = _env_source(args, exc.field)
+        if env_name is None:
+            raise
+        raise ConfigError(env_name, exc.value, exc.reason) from None
+
+
+def _env_source(args: argparse.Namespace, option: str) -> str | None:
+    """The ``PET_*`` variable that gave ``option``'s value (``"--nnodes"`` -> ``"PET_NNODES"``), else ``None``."""
+    dest = {"-m": "module", "-r": "redirects", "-t": "tee"}.get(option, option.lstrip("-").replace("-", "_"))
+    from_env: dict[str, str] = getattr(args, "from_env", {})
+    return from_env.get(dest) if option.startswith("-") else None
+
+
+def _shown(args: argparse.Namespace, option: str) -> str:
+    """``option``, or the ``PET_*`` variable its value came from (for messages)."""
+    return _env_source(args, option) or option
+
+
+def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> LaunchConfig:
+    mode, url_arg = _mode(args, environ)
     static = _static(args) if mode == "static" else None
     if mode == "static" and static is None:
         mode = "standalone"

@@ -10,15 +10,23 @@ The workers die with the launcher: on Linux each gets SIGKILL from the kernel
 if the launcher process dies without stopping them (``kill -9``), see
 :mod:`rdzv_agent.process`.
 
-Exit status:
+Exit status, and what happens to the run (as with ``torchrun``, whose
+``launch_agent`` calls the handler's ``shutdown()`` unless a signal stopped it):
 
-* 0 — the workers succeeded (the launcher then closes the run with ``set_closed()``);
+* 0 — the workers succeeded; ``shutdown()`` closes the run (a new job needs a
+  new run id);
+* 0 — not included in the rendezvous (more nodes than ``max_nodes``):
+  ``release()`` leaves it, the run stays open;
 * 1 — the workers failed with no restarts left, the rendezvous timed out, the run
-  was already closed, the backend was unreachable, or a worker could not be started;
-* 2 — bad arguments or URL (one line on stderr);
+  was already closed, the backend failed, or a worker could not be started:
+  ``shutdown()`` closes the run, so the job ends on every node;
+* 2 — bad arguments or URL (one line on stderr); the run is left open (``release()``);
 * 128 + N — stopped by signal N (SIGTERM, SIGINT, SIGHUP): the signal is forwarded
-  to the workers, they are stopped, and the handler's ``shutdown()`` leaves the
-  rendezvous *without* closing the run, so the other nodes re-form without this one.
+  to the workers, they are stopped, and ``release()`` leaves the rendezvous
+  *without* closing the run, so the other nodes re-form without this one.
+
+Handlers without ``release()`` (torch's static rendezvous) are left alone where
+``release()`` would be called, as torch does after a signal.
 
 Secrets: the URL's password never reaches the workers' environment (``RDZV_URL``
 and variables holding the password are dropped), their command lines, the logs
@@ -208,7 +216,7 @@ def _launch(config: cli.LaunchConfig, url: str) -> int:
             env=worker_environment(os.environ, _password(config, url)), listener=listener,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
-        handler.shutdown()
+        _release(handler)  # a usage error here must not end the job for the other nodes
         return _error(str(exc))
 
     summary = _run(agent, handler)
@@ -225,7 +233,7 @@ def _password(config: cli.LaunchConfig, url: str) -> str | None:
 
 
 def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
-    """Run the agent with signal handling; close or leave the rendezvous; build the summary."""
+    """Run the agent with signal handling; close or leave the rendezvous (see the module docstring); summarize."""
     pending: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -237,19 +245,19 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
     failures: list[WorkerFailure] = []
-    succeeded = False
+    close = True  # torchrun: shutdown() (closes the run) unless stopped by a signal
     try:
         try:
             try:
                 agent.run()
             finally:
                 pending.append(0)  # from here on, signals no longer interrupt the cleanup
-            succeeded = True
             code, outcome = 0, "SUCCEEDED"
         except WorkerGroupFailureException as exc:
             failures = [e for e in exc.get_worker_exceptions().values() if isinstance(e, WorkerFailure)]
             code, outcome = EXIT_FAILURE, f"FAILED: {exc}"
         except RendezvousGracefulExitError as exc:
+            close = False
             code, outcome = 0, f"not included in the rendezvous, exiting: {exc}"
         except RendezvousTimeoutError as exc:
             code, outcome = EXIT_FAILURE, f"rendezvous timed out: {exc}"
@@ -258,11 +266,12 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
         except (RendezvousError, rdzv_core.RdzvError) as exc:
             code, outcome = EXIT_FAILURE, f"rendezvous failed: {type(exc).__name__}: {exc}"
         except SignalException as exc:
+            close = False
             code, outcome = 128 + exc.signum, f"interrupted: {exc}; workers stopped, left the rendezvous"
         except OSError as exc:
             code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
-    finally:  # also when something unexpected propagates: leave the rendezvous, restore signals
-        _finish_rendezvous(handler, succeeded)
+    finally:  # also when something unexpected propagates (then the run is closed, as torchrun does)
+        _finish_rendezvous(handler, close)
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -282,15 +291,29 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
     )
 
 
-def _finish_rendezvous(handler: Any, succeeded: bool) -> None:
-    """On success close the run; always leave it and release the backend (``shutdown()``)."""
-    if succeeded:
-        try:
-            handler.set_closed()
-        except (RendezvousError, rdzv_core.RdzvError) as exc:
-            log.warning("could not mark the run closed: %s", exc)
+def _finish_rendezvous(handler: Any, close: bool) -> None:
+    """End the rendezvous as ``torchrun`` does: ``shutdown()`` (closes the run) or, if not ``close``, ``release()``.
+
+    ``shutdown()`` of rdzv's handler marks the run closed, leaves the round and
+    releases the backend, returning ``False`` (after logging a WARNING) if it could
+    not close the run; ``release()`` leaves the round, the run stays open.
+    """
+    if not close:
+        _release(handler)
+        return
     try:
         handler.shutdown()
+    except (RendezvousError, rdzv_core.RdzvError) as exc:
+        log.warning("could not shut the rendezvous down cleanly: %s", exc)
+
+
+def _release(handler: Any) -> None:
+    """``handler.release()`` if it has one (rdzv's); torch's handlers are left alone, as torch does after a signal."""
+    release = getattr(handler, "release", None)
+    if release is None:
+        return
+    try:
+        release()
     except (RendezvousError, rdzv_core.RdzvError) as exc:
         log.warning("could not leave the rendezvous cleanly: %s", exc)
 

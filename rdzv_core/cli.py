@@ -3,7 +3,8 @@
 ::
 
     rdzv backends [--json]            installed schemes, providing distribution, capabilities
-    rdzv status URL [--json]          round version, state, participants, waiting count, closed
+    rdzv status URL [--json]          round version, state, participants, waiting count, closed,
+                                      version counter (exit 1 if corrupt or behind the round)
     rdzv close URL [--yes]            close the run (no new rounds)
     rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
     rdzv check URL [--json]           connect, run a short protocol self-test, report latency
@@ -23,7 +24,7 @@ from typing import Any, Sequence
 
 from . import RendezvousParams, list_backends, parse_backend_url
 from .errors import BackendUnavailable, ConfigError, CorruptEntry, RdzvError, RendezvousStateError
-from .kv import KVBackend, join_key
+from .kv import KVBackend, join_key, parse_counter
 from .rendezvous import Rendezvous
 
 __all__ = ["main"]
@@ -58,18 +59,65 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Hint printed (stderr, one line) when ``rdzv status`` finds a problem that only a reset clears.
+RESET_HINT = "to start the run afresh: rdzv reset <the same URL>"
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    """Show the run's round record, members and version counter.
+
+    Exit status 1 (with a one-line hint to ``rdzv reset``) when the counter
+    ``ROOT/counter/version`` is corrupt (not ASCII decimal) or lower than the round
+    record's version: the next round would then reuse the keys of an old one.
+    """
     kv, rdzv = _open(args.url)
     with kv:
         state = rdzv.describe()
+        state["counter"], shown, problem = _version_counter(kv, rdzv, state)
+    state["problems"] = [problem] if problem else []
     if args.json:
         print(json.dumps(state, indent=2, default=str))
-        return 0
+    else:
+        _print_status(state, shown)
+    if problem:
+        print(f"rdzv: {problem}; {RESET_HINT}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _version_counter(
+    kv: KVBackend, rdzv: Rendezvous, state: dict[str, Any]
+) -> tuple[int | None, str, str | None]:
+    """The run's version counter: ``(value or None, as shown, what is wrong with it or None)``.
+
+    ``Rendezvous`` numbers rounds with ``add`` on ``ROOT/counter/version`` (see
+    :mod:`rdzv_core.rendezvous`), so the counter is never below the version in the
+    round record; when it is (lost or rewritten), or is not a counter at all, the
+    next round would fail or reuse an old round's keys.
+    """
+    key = join_key(rdzv.root, "counter", "version")
+    try:
+        entry = kv.get(key)
+        counter = None if entry is None else parse_counter(key, entry.value)
+    except CorruptEntry as exc:
+        return None, "corrupt", f"the version counter is corrupt: {exc}"
+    shown = "absent" if counter is None else str(counter)
+    version = state.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > (counter or 0):
+        return counter, shown, (f"the version counter at {key!r} ({shown}) is behind the round record's version "
+                                f"{version}: the next round would reuse an old round's keys")
+    return counter, shown, None
+
+
+def _print_status(state: dict[str, Any], counter: str) -> None:
     print(f"{'run id':<13} {state['run_id']}")
     print(f"{'state':<13} {state['status']}")
     for key in ("version", "participants", "joined", "waiting"):
         if key in state:
             print(f"{key:<13} {state[key]}")
+    print(f"{'counter':<13} {counter}")
+    for problem in state["problems"]:
+        print(f"{'PROBLEM':<13} {problem}")
     now = time.time()
     for member in state.get("alive", []):
         if "corrupt" in member:
@@ -78,7 +126,6 @@ def cmd_status(args: argparse.Namespace) -> int:
         since = member.get("since")
         age = f", member for {max(0.0, now - since):.0f} s" if isinstance(since, (int, float)) else ""
         print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; keep-alive live")
-    return 0
 
 
 def cmd_close(args: argparse.Namespace) -> int:

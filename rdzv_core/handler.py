@@ -7,6 +7,10 @@ MASTER_ADDR/MASTER_PORT that rank 0 published in it. Errors are mapped onto
 torch's: ``RendezvousClosedError``, ``RendezvousTimeoutError``,
 ``RendezvousConnectionError`` (backend unreachable) and ``RendezvousStateError``.
 
+``shutdown()`` closes the run, as torch's own handlers do (torchrun calls it at
+the end of every job not stopped by a signal); ``release()`` leaves the round
+and keeps the run open for the other nodes.
+
 Importing this module imports torch.
 """
 
@@ -59,7 +63,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
     """torch ``RendezvousHandler`` for any ``rdzv`` backend.
 
     Args:
-        kv: the backend; closed by :meth:`shutdown`.
+        kv: the backend; closed by :meth:`shutdown` and :meth:`release`.
         run_id: the run id.
         params: :class:`~rdzv_core.rendezvous.RendezvousParams`.
         backend_name: what :meth:`get_backend` returns (the URL scheme).
@@ -83,7 +87,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._backend_name = backend_name
         self._local_addr = local_addr
         self._store_timeout = datetime.timedelta(seconds=store_timeout)
-        self._shut = False
+        self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
+        self._closed_ok = False
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> "RdzvHandler":
@@ -169,13 +174,59 @@ class RdzvHandler(torch_api.RendezvousHandler):
         return self._rdzv.num_nodes_waiting()
 
     def shutdown(self) -> bool:
-        """Leave the current round (the run stays open for the others) and close the backend."""
-        if self._shut:
-            return True
-        self._shut = True
+        """End this node's part in the run *and close the run*, as torch's handlers do.
+
+        torch's ``launch_agent`` (``torch.distributed.launcher.api``, what ``torchrun``
+        runs) calls ``shutdown()`` when the agent ends for any reason but a signal;
+        torch's own handlers then close the run (``DynamicRendezvousHandler.shutdown``
+        -> ``_close()``; the etcd handler -> ``set_closed()``), so no node starts
+        another round under this run id. This does the same: mark the run closed
+        (:meth:`set_closed`), leave the round (delete this node's keep-alive key),
+        release the backend. A new job needs a new run id.
+
+        Idempotent: later calls return the first call's result. After
+        :meth:`release` the backend is gone, so it cannot close the run: it logs a
+        WARNING and returns ``False``.
+
+        Returns:
+            ``True`` if the run was marked closed; ``False`` (with a WARNING, like
+            torch) if that failed (backend unreachable, corrupt state): the round is
+            left and the backend released anyway.
+        """
+        if self._ended is not None:
+            if self._ended == "released":
+                log.warning("run %s: shutdown() after release(): the backend is released, the run was not closed",
+                            self._rdzv.run_id)
+                return False
+            return self._closed_ok
+        self._ended = "shut"
+        try:
+            self._rdzv.set_closed()
+            self._closed_ok = True
+        except errors.RdzvError as exc:
+            log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
+                        self._rdzv.run_id, type(exc).__name__, exc)
+            self._closed_ok = False
+        self._leave_and_release()
+        return self._closed_ok
+
+    def release(self) -> None:
+        """Leave the round and release the backend; the run stays *open* for the others.
+
+        For callers that must not close the run: an agent stopped by a signal (the
+        other nodes re-form without it, as with ``torchrun``), or one not admitted to
+        the rendezvous. Idempotent; a no-op after :meth:`shutdown`. Errors while
+        leaving are logged (the keep-alive key then lapses after ``keep_alive_ttl``
+        seconds), never raised.
+        """
+        if self._ended is not None:
+            return
+        self._ended = "released"
+        self._leave_and_release()
+
+    def _leave_and_release(self) -> None:
         try:
             self._rdzv.leave()
         except errors.RdzvError as exc:
             log.warning("run %s: could not leave the round cleanly: %s", self._rdzv.run_id, exc)
         self._kv.close()
-        return True

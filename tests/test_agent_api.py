@@ -206,10 +206,30 @@ def test_both_spellings_and_nnodes_forms(script):
     assert (c.min_nodes, c.max_nodes) == (2, 2)
 
 
-def test_nnodes_override_the_url_query_and_aliases(script):
-    c = config(["--nnodes", "2:3", "--rdzv", "etcd://h:1/run?min_workers=5&max_nodes=9&timeout=7", script])
-    assert "min_workers" not in c.url and "timeout=7" in c.url
-    assert "min_nodes=2" in c.url and "max_nodes=3" in c.url and "max_nodes=9" not in c.url
+def test_nnodes_must_agree_with_the_url_query(script):
+    """--nnodes never silently overrides the URL: it fills in missing keys, equal values are fine, others are an
+    error naming the flag, the query key (as written) and both values."""
+    c = config(["--nnodes", "2:3", "--rdzv", "etcd://h:1/run?min_workers=2&timeout=7", script])
+    assert c.url == "etcd://h:1/run?min_workers=2&timeout=7&max_nodes=3" and (c.min_nodes, c.max_nodes) == (2, 3)
+    c = config(["--nnodes", "2:3", "--rdzv", "etcd://h:1/run?min_nodes=2&max_nodes=3", script])
+    assert c.url == "etcd://h:1/run?min_nodes=2&max_nodes=3"
+    for argv, shown in (
+        (["--nnodes", "2:3", "--rdzv", "etcd://h:1/run?min_workers=5&max_nodes=9"], "min_workers=5"),
+        (["--nnodes", "2", "--rdzv", "etcd://h:1/run?max_nodes=4"], "max_nodes=4"),
+        (["--nnodes", "2", "--rdzv", "etcd://h:1/run", "--rdzv-conf", "max_nodes=3"], "max_nodes=3 in --rdzv-conf"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            config([*argv, script])
+        assert (info.value.field, info.value.value) == ("--nnodes", argv[1] if ":" in argv[1] else "2:2")
+        assert shown in str(info.value)
+
+
+@pytest.mark.parametrize("query, field", [("min_nodes=0", "min_nodes"), ("max_workers=x", "max_workers"),
+                                          ("min_nodes=3&max_nodes=2", "min_nodes")])
+def test_bad_url_node_counts_are_reported_even_with_nnodes(query, field, script):
+    with pytest.raises(ConfigError) as info:
+        config(["--nnodes", "2", "--rdzv", f"etcd://h:1/run?{query}", script])
+    assert info.value.field == field
 
 
 def test_url_keeps_its_nodes_without_nnodes(script):

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from agent_workers.harness import HERE, WORKER, Launcher, kill_run, pid_alive, wait_until
+from rdzv_agent import cli
 from rdzv_agent.launcher import main
 from rdzv_agent.master import choose_port
 from rdzv_core import create_handler
@@ -70,12 +71,22 @@ def new_run(procs):
     return run_id
 
 
+def run_is_closed(url):
+    """Whether the run is closed, read through a handler that leaves it as it is (``release()``)."""
+    handler = create_handler(url)
+    try:
+        return handler.is_closed()
+    finally:
+        handler.release()
+
+
 def test_failing_worker_exhausts_restarts_and_summary_names_rank_and_error(node_url, procs, tmp_path):
     run_id = new_run(procs)
     out = str(tmp_path / "out")
     marker = f"ERR_{uuid.uuid4().hex[:8]}"
+    url = node_url(run_id)
     launcher = procs.start(
-        ["--rdzv", node_url(run_id), "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2",
+        ["--rdzv", url, "--nnodes", "1", "--nproc-per-node", "2", "--max-restarts", "2",
          "--monitor-interval", "0.1", WORKER, "--out", out, "--fail-rank", "1", "--message", marker],
         "node",
     )
@@ -84,6 +95,7 @@ def test_failing_worker_exhausts_restarts_and_summary_names_rank_and_error(node_
     err = launcher.stderr()
     summary = err[err.rindex("rdzv-run summary"):]
     assert marker in summary and "rank 1" in summary
+    assert run_is_closed(url)  # as with torchrun: the failed job ends everywhere (shutdown() closes the run)
 
 
 def test_standalone_module_with_two_workers(procs, tmp_path):
@@ -163,11 +175,7 @@ def test_signal_stops_workers_and_leaves_the_run_open(node_url, procs, tmp_path,
                lambda: f"worker alive={pid_alive(rec['pid'])} child alive={pid_alive(rec['child_pid'])}\n"
                        + launcher.tail())
 
-    handler = create_handler(url)
-    try:
-        assert not handler.is_closed()
-    finally:
-        handler.shutdown()
+    assert not run_is_closed(url)  # release(), not shutdown(): as torchrun after a signal
     if sig == signal.SIGTERM:  # the run is still usable: a new node forms a round and finishes
         again = procs.start(["--rdzv", url, "--monitor-interval", "0.1", WORKER, "--out", out], "again")
         assert again.wait(120) == 0, again.tail()
@@ -232,13 +240,17 @@ def test_master_addr_and_port_reach_the_workers_of_an_elastic_job(procs, tmp_pat
 
 def test_python_m_rdzv_agent_and_run_path(tmp_path):
     out = str(tmp_path / "out")
-    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PET_NPROC_PER_NODE": "2"}  # torchrun's variable for the flag
     env.pop("RDZV_URL", None)
-    done = subprocess.run([sys.executable, "-m", "rdzv_agent", "--standalone", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "rdzv_agent", "--standalone",
                            "--monitor-interval", "0.1", "--start-method", "fork", "--run-path", WORKER, "--out", out],
                           env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(r["RANK"] for r in records(out)) == ["0", "1"]
+    bad = subprocess.run([sys.executable, "-m", "rdzv_agent", "--standalone", WORKER],
+                         env={**env, "PET_NPROC_PER_NODE": "abc"}, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "PET_NPROC_PER_NODE" in bad.stderr and "'abc'" in bad.stderr
     usage = subprocess.run([sys.executable, "-m", "rdzv_agent", "--rdzv-id", "a?b", "--rdzv-backend", "file",
                             "--rdzv-endpoint", str(tmp_path), WORKER], env=env, capture_output=True, text=True,
                            timeout=120)
@@ -247,9 +259,10 @@ def test_python_m_rdzv_agent_and_run_path(tmp_path):
 
 def test_rendezvous_timeout_exits_1(node_url, procs):
     run_id = new_run(procs)
-    launcher = procs.start(["--rdzv", node_url(run_id, timeout="2"), "--nnodes", "2", WORKER, "--out", "x"],
-                           "lonely")
+    url = node_url(run_id, timeout="2")
+    launcher = procs.start(["--rdzv", url, "--nnodes", "2", WORKER, "--out", "x"], "lonely")
     assert launcher.wait(120) == 1, launcher.tail()
+    assert run_is_closed(url)  # as torchrun's shutdown() does after a rendezvous timeout
 
 
 def test_closed_run_exits_1_and_success_closes_the_run(node_url, procs, tmp_path):
@@ -257,6 +270,7 @@ def test_closed_run_exits_1_and_success_closes_the_run(node_url, procs, tmp_path
     url = node_url(run_id)
     first = procs.start(["--rdzv", url, "--monitor-interval", "0.1", WORKER, "--out", str(tmp_path / "a")], "first")
     assert first.wait(120) == 0, first.tail()
+    assert run_is_closed(url)
     late = procs.start(["--rdzv", url, WORKER, "--out", str(tmp_path / "b")], "late")
     assert late.wait(120) == 1, late.tail()
     assert not records(str(tmp_path / "b"))
@@ -283,6 +297,59 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert main([*argv, WORKER]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("rdzv-run: error:")
+
+
+@pytest.mark.parametrize(
+    "env, argv, shown",
+    [
+        ({"PET_NPROC_PER_NODE": "abc"}, ["--standalone"], "'PET_NPROC_PER_NODE': 'abc'"),
+        ({"PET_NPROC_PER_NODE": "0"}, ["--standalone"], "'PET_NPROC_PER_NODE': '0'"),
+        ({"PET_MAX_RESTARTS": "-1"}, ["--standalone"], "'PET_MAX_RESTARTS': '-1'"),
+        ({"PET_MONITOR_INTERVAL": "nan"}, ["--standalone"], "'PET_MONITOR_INTERVAL': 'nan'"),
+        ({"PET_START_METHOD": "thread"}, ["--standalone"], "'PET_START_METHOD': 'thread'"),
+        ({"PET_TEE": "7"}, ["--standalone"], "'PET_TEE': '7'"),
+        ({"PET_STANDALONE": "yes"}, [], "'PET_STANDALONE': 'yes'"),
+        ({"PET_NNODES": "3:2"}, ["--standalone"], "'PET_NNODES': '3:2'"),
+        ({"PET_NNODES": "2"}, ["--rdzv", "file:///tmp/x/run?max_nodes=4"], "'PET_NNODES': '2:2'"),
+        ({"PET_RDZV_ID": "a?b"}, ["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/x"], "'PET_RDZV_ID': 'a?b'"),
+        ({"PET_RDZV_BACKEND": "file"}, ["--standalone"], "--standalone and PET_RDZV_BACKEND"),
+        ({"PET_NODE_RANK": "1"}, ["--rdzv", "file:///tmp/x/run", "--nnodes", "2"], "'PET_NODE_RANK': 1"),
+    ],
+)
+def test_bad_pet_variables_exit_2_with_one_line_naming_them(env, argv, shown, monkeypatch, capsys):
+    """torchrun reads every option from PET_<OPTION>; so does rdzv-run, checking the value like the flag's."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main([*argv, WORKER]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("rdzv-run: error:"), err
+    assert shown in err, err
+
+
+def test_pet_variables_set_torchruns_options_and_flags_win(monkeypatch, tmp_path):
+    for name, value in {"PET_NPROC_PER_NODE": "3", "PET_NNODES": "2:4", "PET_MAX_RESTARTS": "2",
+                        "PET_MONITOR_INTERVAL": "0.25", "PET_RDZV_BACKEND": "file", "PET_RDZV_ENDPOINT": str(tmp_path),
+                        "PET_RDZV_ID": "job", "PET_RDZV_CONF": "last_call_timeout=1", "PET_ROLE": "trainer",
+                        "PET_TEE": "3", "PET_RUN_PATH": "1", "PET_START_METHOD": "fork",
+                        "PET_LOCAL_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    c = cli.build_config(cli.parse_args([WORKER]))
+    assert (c.nproc_per_node, c.min_nodes, c.max_nodes, c.max_restarts, c.monitor_interval, c.role) == (
+        3, 2, 4, 2, 0.25, "trainer")
+    assert c.url == f"file://{tmp_path}/job?last_call_timeout=1&min_nodes=2&max_nodes=4"
+    assert (c.local_addr, c.start_method, c.program_args[:2]) == ("127.0.0.1", "fork", ["-u", "-c"])
+    # the command line wins, and a bad variable behind a given flag is not even read (as in torchrun)
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "abc")
+    monkeypatch.setenv("PET_STANDALONE", "0")
+    c = cli.build_config(cli.parse_args(["--nproc-per-node", "2", "--nnodes", "1", "--rdzv-id", "other", WORKER]))
+    assert (c.nproc_per_node, c.min_nodes, c.max_nodes) == (2, 1, 1)
+    assert c.url.startswith(f"file://{tmp_path}/other?")
+    monkeypatch.setenv("PET_STANDALONE", "1")
+    monkeypatch.delenv("PET_RDZV_BACKEND")
+    monkeypatch.delenv("PET_RDZV_ENDPOINT")
+    monkeypatch.delenv("PET_RDZV_ID")
+    monkeypatch.delenv("PET_NNODES")
+    assert cli.build_config(cli.parse_args(["--nproc-per-node", "1", WORKER])).standalone
 
 
 def test_usage_errors_exit_2(capsys):

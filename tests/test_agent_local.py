@@ -246,7 +246,7 @@ def test_a_round_without_master_endpoint_is_formed_again(tmp_path):
 
     def ghost_node() -> None:  # joins first (rank 0), then leaves without publishing anything
         formed.append(ghost.next_rendezvous())
-        ghost.shutdown()
+        ghost.release()  # leaves; shutdown() would close the run under the other node
 
     thread = threading.Thread(target=ghost_node, daemon=True)
     thread.start()

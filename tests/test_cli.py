@@ -80,3 +80,50 @@ def test_status_and_reset_survive_corrupt_state(tmp_path) -> None:
     assert (again.next_round().world_size, again.current is not None) == (1, True)
     again.leave()
     kv.close()
+
+
+def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsys) -> None:
+    """The version counter numbers rounds: garbage in it, or a value below the round record's version, would make
+    the next round fail or reuse an old round's keys. ``status`` shows it, reports it (table and --json) and exits 1
+    with a one-line hint to reset the run."""
+    from rdzv_core.cli import main
+
+    url = rdzv_url(keep_alive_ttl=30)
+    run_id = url.split("?")[0].rsplit("/", 1)[1]
+    member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    member.next_round()
+    version = member.next_round().version
+    counter_key = member.root + "/counter/version"
+
+    def status(*extra: str) -> tuple[int, str, str]:
+        code = main(["status", url, *extra])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = status("--json")
+    assert code == 0 and err == ""
+    healthy = json.loads(out)
+    assert (healthy["counter"], healthy["problems"]) == (version, [])
+    assert status()[0] == 0
+
+    for garbage, expect_counter in ((b"not a number", None), (str(version - 1).encode(), version - 1)):
+        kv.put(counter_key, garbage)
+        code, out, err = status("--json")
+        report = json.loads(out)
+        assert code == 1
+        assert report["counter"] == expect_counter and len(report["problems"]) == 1
+        assert counter_key in report["problems"][0]
+        assert len(err.strip().splitlines()) == 1 and "rdzv reset" in err
+        code, out, err = status()
+        assert code == 1 and "PROBLEM" in out and counter_key in out
+        assert len(err.strip().splitlines()) == 1 and "rdzv reset" in err
+
+    kv.delete(counter_key)  # lost: the next round would be version 1 again
+    code, out, _ = status("--json")
+    assert code == 1 and json.loads(out)["counter"] is None
+
+    kv.put(counter_key, str(version).encode())
+    member.set_closed()  # a closed run has no round version to compare with; the counter is still shown
+    code, out, _ = status("--json")
+    assert code == 0 and (json.loads(out)["status"], json.loads(out)["counter"]) == ("closed", version)
+    member.leave()

@@ -59,20 +59,58 @@ def test_is_a_torch_handler_and_returns_rendezvous_info(base: str) -> None:
         assert h.shutdown() is True
 
 
-def test_shutdown_leaves_without_closing(base: str) -> None:
+def test_release_leaves_without_closing(base: str) -> None:
     url = _url(base, min_nodes=1, max_nodes=2)
     a, b = create_handler(url), create_handler(url)
     first = _in_threads([a, b])
     assert sorted(i.rank for i in first) == [0, 1]
-    a.shutdown()
+    a.release()
+    a.release()  # idempotent
     assert not b.is_closed()
     again = b.next_rendezvous()  # re-forms without a
     assert (again.rank, again.world_size) == (0, 1)
+    assert a.shutdown() is False  # released: the backend is gone, nothing is closed
+    assert not b.is_closed()
     b.set_closed()
     assert b.is_closed()
     with pytest.raises(torch_api.RendezvousClosedError):
         create_handler(url).next_rendezvous()
     b.shutdown()
+
+
+def test_shutdown_closes_the_run_like_torchs_handlers(base: str) -> None:
+    """torch's launch_agent calls shutdown() at the end of a job; torch's handlers close the run there."""
+    url = _url(base, min_nodes=1, max_nodes=2)
+    a, b = create_handler(url), create_handler(url)
+    assert sorted(i.rank for i in _in_threads([a, b])) == [0, 1]
+    assert a.shutdown() is True
+    assert a.shutdown() is True  # idempotent
+    assert b.is_closed()
+    with pytest.raises(torch_api.RendezvousClosedError):
+        b.next_rendezvous()
+    assert b.shutdown() is True
+    a.release()  # a no-op after shutdown()
+    observer = create_handler(url)
+    assert observer.is_closed()
+    observer.release()
+
+
+def test_shutdown_returns_false_when_the_run_cannot_be_closed() -> None:
+    """A server that died under the handler: shutdown() logs, releases and returns False (as torch's does)."""
+    pytest.importorskip("redis")
+    from conformance_tests.redis_server import RedisServer
+
+    server = RedisServer(appendonly=False)
+    server.start()
+    try:
+        h = create_handler(f"redis://{server.address}/job?timeout=2&operation_timeout=0.5")
+        server.kill()
+        t0 = time.monotonic()
+        assert h.shutdown() is False  # nothing listens there any more: logged, not raised
+        assert h.shutdown() is False
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.stop()
 
 
 def test_num_nodes_waiting(base: str) -> None:

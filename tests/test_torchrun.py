@@ -1,8 +1,14 @@
-"""Plain torchrun with rdzv backends through the ``torchrun.handlers`` entry points."""
+"""Plain torchrun with rdzv backends through the ``torchrun.handlers`` entry points.
+
+torchrun's ``launch_agent`` calls the handler's ``shutdown()`` at the end of a job
+unless a signal stopped the agent; like torch's own handlers, rdzv's then closes
+the run. Both ends are checked here with real torchrun processes.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -10,7 +16,13 @@ import uuid
 
 import pytest
 
+from agent_workers.harness import wait_until
+from rdzv_core import Rendezvous, RendezvousParams, open_backend
+
 pytest.importorskip("torch")
+
+#: ``--rdzv-backend`` -> rdzv URL scheme (see rdzv_core.torchrun).
+SCHEMES = {"rdzv-file": "file", "rdzv-redis": "redis", "rdzv-etcd": "etcd", "rdzv-etcd-v3": "etcd-v3"}
 
 WORKER = textwrap.dedent(
     """
@@ -44,8 +56,10 @@ def test_two_torchrun_nodes_all_reduce(backend_and_endpoint, tmp_path) -> None:
         "--rdzv-conf", "last_call_timeout=1,keep_alive_ttl=2,join_timeout=90", "--monitor-interval", "0.5",
         str(script),
     ]
+    run_id = cmd[cmd.index("--rdzv-id") + 1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path) for _ in range(2)]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+             for _ in range(2)]
     outs = []
     try:
         for p in procs:
@@ -57,6 +71,48 @@ def test_two_torchrun_nodes_all_reduce(backend_and_endpoint, tmp_path) -> None:
             p.kill()
     results = sorted(line for o in outs for line in o.splitlines() if line.startswith("RESULT"))
     assert results == ["RESULT rank=0 world=2 sum=3.0", "RESULT rank=1 world=2 sum=3.0"]
+    assert _run_is_closed(backend, endpoint, run_id)  # torchrun's shutdown() closed it, as torch's handlers do
+
+
+def _run_is_closed(backend: str, endpoint: str, run_id: str) -> bool:
+    """Read the run's state through the backend (rdzv_core's API, not torchrun's)."""
+    with open_backend(f"{SCHEMES[backend]}://{endpoint.rstrip('/')}/") as kv:
+        return Rendezvous(kv, run_id, RendezvousParams(min_nodes=1)).is_closed()
+
+
+SLEEPER = textwrap.dedent(
+    """
+    import pathlib, sys, time
+    pathlib.Path(sys.argv[1]).write_text("started")
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_torchrun_stopped_by_sigterm_leaves_the_run_open(tmp_path) -> None:
+    """torch's launch_agent skips shutdown() after a signal: the run stays open for the other nodes."""
+    script, started = tmp_path / "sleeper.py", tmp_path / "started"
+    script.write_text(SLEEPER)
+    endpoint, run_id = str(tmp_path / "store"), f"tr{uuid.uuid4().hex[:8]}"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
+        "--rdzv-backend", "rdzv-file", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+        "--rdzv-conf", "last_call_timeout=0.5,keep_alive_ttl=2,join_timeout=90", "--monitor-interval", "0.5",
+        str(script), str(started),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+    try:
+        wait_until(started.exists, 120, "the worker to start", lambda: f"torchrun alive: {proc.poll() is None}")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=90)
+        assert proc.returncode != 0, err.decode(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert not _run_is_closed("rdzv-file", endpoint, run_id)
 
 
 def test_rdzv_conf_maps_to_url() -> None:

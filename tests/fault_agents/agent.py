@@ -33,7 +33,7 @@ To stop there, :class:`StoppingRendezvous` overrides the step methods
 client for the one call that follows the point (e.g. the version counter's
 ``add`` in ``_setup``). The backend itself is the real one.
 
-SIGTERM leaves cleanly, as an agent's launcher does (``RdzvHandler.shutdown``:
+SIGTERM leaves cleanly, as an agent's launcher does (``RdzvHandler.release``:
 ``leave()``, then close the client; never ``set_closed``), prints ``left`` and
 exits with 143. SIGKILL, of course, leaves nothing.
 """
