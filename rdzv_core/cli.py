@@ -23,7 +23,7 @@ import uuid
 from typing import Any, Sequence
 
 from . import RendezvousParams, list_backends, parse_backend_url
-from .errors import BackendUnavailable, ConfigError, CorruptEntry, RdzvError, RendezvousStateError
+from .errors import BackendUnavailable, ConfigError, CorruptEntry, KeyNotFound, RdzvError, RendezvousStateError
 from .kv import KVBackend, join_key, parse_counter
 from .rendezvous import Rendezvous
 
@@ -74,6 +74,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     with kv:
         state = rdzv.describe()
         state["counter"], shown, problem = _version_counter(kv, rdzv, state)
+        for member in state.get("alive", []):
+            _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
     state["problems"] = [problem] if problem else []
     if args.json:
         print(json.dumps(state, indent=2, default=str))
@@ -109,6 +111,25 @@ def _version_counter(
     return counter, shown, None
 
 
+def _keep_alive_age(kv: KVBackend, keep_alive_ttl: float, member: dict[str, Any]) -> None:
+    """Add ``ttl_left`` (seconds until the member's keep-alive key expires) and
+    ``keep_alive_age`` (seconds since it was last refreshed: ``keep_alive_ttl - ttl_left``,
+    with the URL's ``keep_alive_ttl``) to ``member``; ``None`` where the backend cannot
+    tell, and ``ttl_left = 0`` if the key lapsed since it was listed."""
+    member["ttl_left"] = member["keep_alive_age"] = None
+    if "corrupt" in member:
+        return
+    try:
+        left = kv.ttl_remaining(member["key"])
+    except NotImplementedError:
+        return
+    except KeyNotFound:
+        left = 0.0
+    if left is not None:
+        member["ttl_left"] = round(left, 3)
+        member["keep_alive_age"] = round(max(0.0, keep_alive_ttl - left), 3)
+
+
 def _print_status(state: dict[str, Any], counter: str) -> None:
     print(f"{'run id':<13} {state['run_id']}")
     print(f"{'state':<13} {state['status']}")
@@ -125,7 +146,14 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
             continue
         since = member.get("since")
         age = f", member for {max(0.0, now - since):.0f} s" if isinstance(since, (int, float)) else ""
-        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; keep-alive live")
+        left, kage = member.get("ttl_left"), member.get("keep_alive_age")
+        if left is None:
+            alive = "keep-alive live (the backend does not report its age)"
+        elif left <= 0:
+            alive = "keep-alive LAPSED"
+        else:
+            alive = f"keep-alive refreshed {kage:.1f} s ago, expires in {left:.1f} s"
+        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; {alive}")
 
 
 def cmd_close(args: argparse.Namespace) -> int:

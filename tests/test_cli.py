@@ -127,3 +127,24 @@ def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsy
     code, out, _ = status("--json")
     assert code == 0 and (json.loads(out)["status"], json.loads(out)["counter"]) == ("closed", version)
     member.leave()
+
+
+def test_status_shows_each_members_keep_alive_age(rdzv_url, kv, capsys) -> None:
+    """Each member's keep-alive: seconds since its last refresh and until it expires (backend's ``ttl_remaining``)."""
+    from rdzv_core.cli import main
+
+    url = rdzv_url(keep_alive_ttl=30)
+    run_id = url.split("?")[0].rsplit("/", 1)[1]
+    member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    member.next_round()
+    try:
+        assert main(["status", url, "--json"]) == 0
+        (alive,) = json.loads(capsys.readouterr().out)["alive"]
+        if alive["ttl_left"] is None:
+            pytest.skip("this backend does not report remaining TTLs (optional)")
+        assert 20 < alive["ttl_left"] <= 31 and 0 <= alive["keep_alive_age"] < 10
+        assert alive["ttl_left"] + alive["keep_alive_age"] == pytest.approx(30, abs=1.01)
+        assert main(["status", url]) == 0
+        assert "refreshed" in capsys.readouterr().out
+    finally:
+        member.leave()
