@@ -31,6 +31,11 @@ Commands (tuples received on the pipe; each is answered with one message):
     -> ``("done", {"agents": [per-agent results], "log": warnings tally})``
 ``("kill",)``
     close the victim's client -> ``("killed", t)``
+``("steady", seconds, monitor, check_interval)``
+    (rdzv) hold the round the last ``go`` formed for ``seconds`` with every
+    agent's keep-alive running, then report what happened to it ->
+    ``("held", report)``; see :meth:`_Worker.steady`. The worker with
+    ``monitor`` true also watches the round's keys (:class:`_Monitor`).
 ``("cleanup",)``
     leave the round / stop heartbeats of every agent -> ``("clean", None)``
 ``("exit",)``
@@ -53,6 +58,8 @@ import threading
 import time
 import traceback
 from typing import Any
+
+from .counting import CountingKV
 
 __all__ = ["worker_main"]
 
@@ -113,11 +120,9 @@ class _Worker:
         from rdzv_core.handler import RdzvHandler
         from rdzv_core.rendezvous import RendezvousParams
 
-        from .counting import CountingKV
-
         own = victim or self.shared is None
         inner = open_backend(self.target["url"]) if own else self.shared
-        proxy = CountingKV(inner, owns_inner=own)
+        proxy = _RefreshClock(inner, owns_inner=own)
         params = RendezvousParams(
             min_nodes=spec["min_nodes"], max_nodes=spec["max_nodes"], timeout=spec["timeout"],
             last_call_timeout=spec["last_call_timeout"], keep_alive_ttl=spec["keep_alive_ttl"], prefix="bench",
@@ -195,6 +200,69 @@ class _Worker:
             res["t_done"] = time.monotonic()
         agent.result = res
 
+    # -- steady state --------------------------------------------------------------------
+    def steady(self, seconds: float, monitor: bool, check_interval: float) -> dict[str, Any]:
+        """Hold the current round ``seconds`` seconds with the keep-alives running; what happened to it.
+
+        Every agent's :class:`_RefreshClock` records when each refresh of its keep-alive
+        key returned; the largest gap between two of them (or between the start or
+        end of the hold and the nearest refresh) is the key's refresh lateness. At the
+        end every agent reports whether its ``KeepAlive.lapsed`` is set, how often the
+        key was written again, whether it is still refreshed and its own
+        ``num_nodes_waiting()``. With ``monitor``, a :class:`_Monitor` also watches
+        the round's keys (from this process's client) during the hold.
+        """
+        if self.kind != "rdzv":
+            raise ValueError(f"the steady scenario needs an rdzv target, not {self.kind!r}")
+        members = [a for a in self.agents if a.handler.rendezvous.current is not None]
+        if len(members) != len(self.agents):
+            raise RuntimeError(f"{len(self.agents) - len(members)} agents hold no round")
+        for agent in members:
+            agent.proxy.counts.clear()
+            agent.proxy.start_clock()
+        mon = _Monitor(self._monitor_kv(), members[0].handler.rendezvous, check_interval) if monitor else None
+        started = time.monotonic()
+        if mon is not None:
+            mon.start()
+        threading.Event().wait(seconds)  # the hold's length is the scenario's input
+        ended = time.monotonic()
+        threads = threading.active_count()  # keep-alive threads included (the agent threads have ended)
+        report: dict[str, Any] = {"monitor": mon.stop() if mon is not None else None,
+                                  "threads": threads, "agents": len(members)}
+        gaps: list[float] = []
+        lapsed = recreated = stopped = waiting = errors = refreshes = 0
+        for agent in members:
+            rdzv = agent.handler.rendezvous
+            ka = rdzv._keepalive
+            if ka is None or not ka.is_alive():
+                stopped += 1
+            if ka is not None:
+                lapsed += ka.lapsed.is_set()
+                recreated += ka.recreated
+            try:
+                waiting += rdzv.num_nodes_waiting() != 0
+            except Exception:  # reported, not fatal: the count says how many could not tell
+                errors += 1
+            times = agent.proxy.stop_clock()
+            refreshes += len(times)
+            marks = [started, *times, ended]
+            gaps.append(max(b - a for a, b in zip(marks, marks[1:], strict=False)))
+        counts = [a.proxy.snapshot().get("keepalive", {}) for a in members]
+        report.update(
+            lapsed_events=lapsed, recreated=recreated, keepalives_not_running=stopped,
+            agents_told_to_rejoin=waiting, num_nodes_waiting_errors=errors,
+            refreshes=refreshes, refresh_gap_max_s=round(max(gaps, default=0.0), 3),
+            refresh_gaps_s=[round(g, 3) for g in sorted(gaps)[-5:]],
+            keepalive_ops={op: sum(c.get(op, 0) for c in counts) for op in sorted({k for c in counts for k in c})},
+            held_s=round(ended - started, 3),
+        )
+        return report
+
+    def _monitor_kv(self) -> Any:
+        from rdzv_core import open_backend
+
+        return self.shared if self.shared is not None else open_backend(self.target["url"])
+
     # -- teardown ------------------------------------------------------------------------
     def kill(self) -> float:
         for agent in self.agents:
@@ -213,6 +281,112 @@ class _Worker:
             except Exception as exc:  # cleanup is best effort; the next round uses a new run id
                 log.warning("cleanup of an agent failed: %s", exc)
         self.agents = []
+
+
+class _RefreshClock(CountingKV):
+    """A :class:`~benchmarks.counting.CountingKV` that also records when each successful
+    ``refresh`` returned (``time.monotonic()`` seconds), between :meth:`start_clock` and
+    :meth:`stop_clock` (the steady scenario's refresh lateness)."""
+
+    def __init__(self, inner: Any, owns_inner: bool = False) -> None:
+        super().__init__(inner, owns_inner=owns_inner)
+        self._times: list[float] | None = None
+
+    def start_clock(self) -> None:
+        self._times = []
+
+    def stop_clock(self) -> list[float]:
+        """The refresh times recorded since :meth:`start_clock` (and stop recording)."""
+        times, self._times = self._times or [], None
+        return times
+
+    def _do_refresh(self, key: str, ttl: float) -> None:
+        super()._do_refresh(key, ttl)
+        times = self._times
+        if times is not None:
+            times.append(time.monotonic())
+
+
+class _Monitor:
+    """Watches one round's keys during the steady hold, from a client of the worker's own.
+
+    A watch thread counts ``DELETE`` events of the round's ``alive/`` keys (a lapsed
+    or deleted keep-alive key; after ``HistoryCompacted`` it lists the keys again and
+    counts missing ones instead). Every ``check_interval`` seconds a check thread
+    lists ``alive/`` (the fewest keys seen), reads the round record (how many reads
+    differed from the record at the start) and calls ``num_nodes_waiting()`` of one
+    agent (the largest value seen).
+    """
+
+    def __init__(self, kv: Any, rdzv: Any, check_interval: float) -> None:
+        self.kv, self.rdzv, self.check_interval = kv, rdzv, check_interval
+        version = rdzv.current.version
+        self.alive_prefix = rdzv._vkey(version, "alive") + "/"
+        self.state_key = rdzv._state_key
+        entries, self.revision = kv.list(self.alive_prefix)
+        self.expected = {e.key for e in entries}
+        record = kv.get(self.state_key)
+        self.record = None if record is None else record.value
+        self.out: dict[str, Any] = {
+            "alive_keys_at_start": len(self.expected), "alive_keys_min": len(self.expected), "alive_deletes": 0,
+            "deleted_examples": [], "record_changes": 0, "num_nodes_waiting_max": 0, "checks": 0,
+            "watch_compacted": 0, "errors": [], "round_version": version,
+        }
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._watch, name="steady-watch", daemon=True),
+                         threading.Thread(target=self._check, name="steady-check", daemon=True)]
+
+    def start(self) -> None:
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(30.0)
+        return self.out
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        if len(self.out["errors"]) < 10:
+            self.out["errors"].append(f"{where}: {type(exc).__name__}: {exc}"[:300])
+
+    def _watch(self) -> None:
+        from rdzv_core.errors import HistoryCompacted
+
+        after = self.revision
+        while not self._stop.is_set():
+            try:
+                events = self.kv.watch(self.alive_prefix, after, 1.0)
+            except HistoryCompacted:
+                self.out["watch_compacted"] += 1
+                entries, after = self.kv.list(self.alive_prefix)
+                missing = self.expected - {e.key for e in entries}
+                self.out["alive_deletes"] += len(missing)
+                continue
+            except Exception as exc:  # recorded; the list checks still run
+                self._error("watch", exc)
+                self._stop.wait(1.0)
+                continue
+            for event in events:
+                after = max(after, event.revision)
+                if event.type.name == "DELETE":
+                    self.out["alive_deletes"] += 1
+                    if len(self.out["deleted_examples"]) < 5:
+                        self.out["deleted_examples"].append(event.key)
+
+    def _check(self) -> None:
+        while not self._stop.wait(self.check_interval):
+            try:
+                entries = self.kv.list(self.alive_prefix)[0]
+                self.out["alive_keys_min"] = min(self.out["alive_keys_min"], len(entries))
+                record = self.kv.get(self.state_key)
+                if (None if record is None else record.value) != self.record:
+                    self.out["record_changes"] += 1
+                waiting = self.rdzv.num_nodes_waiting()
+                self.out["num_nodes_waiting_max"] = max(self.out["num_nodes_waiting_max"], waiting)
+                self.out["checks"] += 1
+            except Exception as exc:  # recorded in the report
+                self._error("check", exc)
 
 
 def _time_next_round(agent: _Agent, res: dict[str, Any]) -> None:
@@ -319,6 +493,11 @@ def worker_main(conn: Any, events: list[Any], target: dict[str, Any]) -> None:
                 conn.send(("armed", None))
                 agents = worker.go(cmd[1], cmd[3])
                 conn.send(("done", {"agents": agents, "log": tally.take()}))
+            elif cmd[0] == "steady":
+                _, seconds, monitor, check_interval = cmd
+                report = worker.steady(seconds, monitor, check_interval)
+                report["log"] = tally.take()
+                conn.send(("held", report))
             elif cmd[0] == "kill":
                 conn.send(("killed", worker.kill()))
             elif cmd[0] == "cleanup":

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["TARGETS_1024", "evaluate_targets", "markdown", "plot"]
+__all__ = ["TARGETS_1024", "evaluate_targets", "markdown", "plot", "steady_targets", "steady_markdown"]
 
 RDZV = ("memory", "file", "redis", "etcd-v2", "etcd-v3")
 BASELINES = ("torch:c10d", "torch:etcd-v2", "torch:etcd")
@@ -21,6 +21,8 @@ SAME_SERVER = {"etcd-v2": ("torch:etcd-v2", "torch:etcd"), "etcd-v3": ("torch:et
 WRITES_TARGET = 4.0
 SPEEDUP_TARGET = 10.0
 RERDZV_SLACK = 2.0
+#: The issue's steady-state target: no false eviction at N = 1,024 over 5 minutes (seconds).
+STEADY_TARGET_N, STEADY_TARGET_S = 1024, 300.0
 
 
 def _cell(results: dict[str, Any], target: str, n: int) -> dict[str, Any] | None:
@@ -128,6 +130,72 @@ def _verdict(name: str, value: float | None, threshold: float, lower_bound: bool
             "value_is_lower_bound": lower_bound, "met": met, "margin": margin, "status": status}
 
 
+def steady_targets(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Verdicts of the steady cells: false evictions (lapsed or deleted keys, round changes,
+    agents told to re-rendezvous) must be 0. A cell shorter than :data:`STEADY_TARGET_S` or with
+    fewer than :data:`STEADY_TARGET_N` agents is judged too, but its name says it is not the
+    issue's target."""
+    out = []
+    for cell in cells:
+        full = cell["n"] >= STEADY_TARGET_N and cell["seconds"] >= STEADY_TARGET_S
+        name = (f"no false eviction N={cell['n']} over {cell['seconds']:g} s {cell['target']}"
+                + ("" if full else f" (the issue's target is N={STEADY_TARGET_N} over {STEADY_TARGET_S:g} s)"))
+        if cell["status"] not in ("ok", "evicted"):
+            out.append(_verdict(name, None, 0, False, "evictions", cell["status"]))
+            continue
+        # Each sign of an eviction counts: a deleted or lapsed key (one lapse shows as both: the larger),
+        # a changed round record, an agent told to re-rendezvous.
+        value = (max(cell["alive_deletes"], cell["lapsed_events"]) + cell["record_changes"]
+                 + max(cell["agents_told_to_rejoin"], 1 if cell["num_nodes_waiting_max"] else 0))
+        out.append(_verdict(name, value, 0, False, "evictions", cell["status"]))
+    return out
+
+
+def _run_line(results: dict[str, Any]) -> str:
+    """``Run: <start> (<s>) at commit <sha>[ with local changes]; <n> CPUs; load average before .., after ..``."""
+    code = results.get("code") or {}
+    machine = results["machine"]
+    return (f"Run: {results['started']} ({results['duration_s']:.0f} s) at commit {code.get('commit') or '?'}"
+            + (" with local changes to the library" if code.get("library_changes") else "")
+            + f"; {machine['cpus']} CPUs; load average before {_load(machine['loadavg_start'])}, "
+            f"after {_load(machine['loadavg_end'])}")
+
+
+def steady_markdown(results: dict[str, Any]) -> str:
+    """The table of a ``--steady`` run (not part of ``docs/benchmarks.md``'s recorded results)."""
+    lines = [
+        f"Command: `{results['command']}`  ",
+        _run_line(results) + ".",
+        "",
+        "### Steady keep-alives (one round held with every keep-alive running)",
+        "",
+        "Key deletions: `DELETE` events of the round's alive/ keys seen by a watch; lapsed: agents whose "
+        "`KeepAlive.lapsed` was set; record changes: reads of the round record that differed from the "
+        "final round; waiting max: the largest `num_nodes_waiting()` seen; refresh gap: the longest time a key "
+        "went unrefreshed (s; it lapses at the TTL).",
+        "",
+        "| backend | N | held s | TTL s | status | key deletions | lapsed | recreated | record changes | "
+        "waiting max | refresh gap max s | refreshes/agent/s | server req./agent/s | threads/worker |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in results["steady"]:
+        if "alive_deletes" not in c:
+            lines.append(f"| {c['target']} | {c['n']} | – | {c['keep_alive_ttl']} | {c['status']}: "
+                         f"{c.get('problem', '')[:120]} |" + " |" * 9)
+            continue
+        srv = c.get("server_requests_per_agent_s")
+        lines.append(
+            f"| {c['target']} | {c['n']} | {c['held_s']:.0f} | {c['keep_alive_ttl']} | {c['status']} | "
+            f"{c['alive_deletes']} | {c['lapsed_events']} | {c['recreated']} | {c['record_changes']} | "
+            f"{c['num_nodes_waiting_max']} | {c['refresh_gap_max_s']:.2f} | {c['refreshes_per_agent_s']:.3f} | "
+            f"{'–' if srv is None else f'{srv:.2f}'} | {', '.join(map(str, c['threads_per_worker']))} |")
+    lines += ["", "### Targets", "", "| target | threshold | measured | verdict |", "|---|---|---|---|"]
+    for t in results["targets"]:
+        verdict = "met" if t["met"] else "**missed**"
+        lines.append(f"| {t['target']} | {t['threshold']} {t['unit']} | {t['value']} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
 # -- Markdown -----------------------------------------------------------------------------------------
 def markdown(results: dict[str, Any]) -> str:
     """The results section of ``docs/benchmarks.md`` (tables only, regenerated by every run)."""
@@ -136,12 +204,7 @@ def markdown(results: dict[str, Any]) -> str:
     sizes = plan["sizes"]
     lines = [
         f"Command: `{results['command']}`  ",
-        f"Run: {results['started']} ({results['duration_s']:.0f} s) at commit "
-        f"{(results.get('code') or {}).get('commit') or '?'}"
-        + (" with local changes to the library" if (results.get("code") or {}).get("library_changes") else "")
-        + f"; {results['machine']['cpus']} CPUs; "
-        f"load average before {_load(results['machine']['loadavg_start'])}, after "
-        f"{_load(results['machine']['loadavg_end'])}; torch {results['machine']['torch']}; "
+        _run_line(results) + f"; torch {results['machine']['torch']}; "
         f"servers {', '.join(f'{k} {v}' for k, v in results['servers'].items()) or 'none'}.  ",
         f"Agents: {cfg['procs']} worker processes (memory: 1), N/P threads each; rdzv client mode "
         f"{cfg['client_modes']}; keep-alive TTL {plan['keep_alive_ttl']} s; per-cell limit {plan['limit']:g} s"

@@ -7,13 +7,21 @@ Runs, against servers it starts itself on free loopback ports:
 2. re-rendezvous after a killed agent (rdzv backends);
 3. c10d Store throughput (``KVStore`` on each backend, ``TCPStore`` baseline).
 
+``--steady SECONDS`` runs only the steady scenario instead: on each rdzv target,
+``--steady-n`` agents (default 1024) form a round and hold it SECONDS seconds with
+their keep-alives running, watched for false evictions (see
+:func:`benchmarks.scenarios.run_steady`). It is not part of the default run (the
+issue's check is 5 minutes per backend); its results go to a temporary directory
+(or ``--out-dir``), never ``docs/``.
+
 Writes ``benchmarks.json`` and ``benchmarks.png`` into ``--out-dir`` (default:
 ``docs/`` for the full run, a fresh temporary directory for ``--quick`` and
 ``--smoke``) and, when that is ``docs/``, rewrites the results section of
 ``docs/benchmarks.md`` (between ``<!-- results:start -->`` and ``<!-- results:end -->``).
 
 Exit status: 0 when every measured cell produced correct ranks or a recorded
-timeout; 1 when an rdzv cell gave wrong ranks or failed.
+timeout; 1 when an rdzv cell gave wrong ranks or failed (with ``--steady``: when
+a cell is not ``ok``: a key lapsed, the round changed, or it could not be judged).
 """
 
 from __future__ import annotations
@@ -27,11 +35,11 @@ import shlex
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Callable
 
 from . import report
 from .harness import LazyPool
-from .scenarios import Plan, run_latency, run_rerendezvous
+from .scenarios import Plan, run_latency, run_rerendezvous, run_steady
 from .servers import Servers
 from .throughput import measure_store
 
@@ -92,12 +100,20 @@ def _parse(argv: list[str]) -> argparse.Namespace:
                    help="last call, s (default 1; matters only for the re-rendezvous scenario)")
     p.add_argument("--no-rerendezvous", action="store_true", help="skip the re-rendezvous scenario")
     p.add_argument("--no-throughput", action="store_true", help="skip the Store throughput measurement")
+    p.add_argument("--steady", type=float, metavar="SECONDS",
+                   help="run only the steady scenario: --steady-n agents hold one round SECONDS seconds with "
+                        "their keep-alives running, watched for false evictions (rdzv targets; not in the default run)")
+    p.add_argument("--steady-n", type=int, default=1024, help="agents in the steady scenario (default 1024)")
     p.add_argument("--render", metavar="JSON",
                    help="measure nothing: redo the target verdicts, tables and plot of an earlier run's JSON "
                         "(next to it; and docs/benchmarks.md when the JSON is docs/benchmarks.json)")
     args = p.parse_args(argv)
     if args.procs < 1:
         p.error(f"--procs must be >= 1, got {args.procs}")
+    if args.steady is not None and not args.steady > 0:
+        p.error(f"--steady must be a positive number of seconds, got {args.steady}")
+    if args.steady_n < 2:
+        p.error(f"--steady-n must be >= 2, got {args.steady_n}")
     return args
 
 
@@ -116,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         plan_kw["limit"] = args.cell_limit
         plan_kw["limits"] = {}
     plan = Plan(keep_alive_ttl=args.keep_alive_ttl, last_call_timeout=args.last_call_timeout, **plan_kw)
+    if args.steady is not None:
+        return _steady(args, argv, plan)
     targets = args.targets.split(",") if args.targets else RDZV_TARGETS + spec["baselines"]
     unknown = [t for t in targets if t not in RDZV_TARGETS and t not in report.BASELINES]
     if unknown:
@@ -178,18 +196,74 @@ def main(argv: list[str] | None = None) -> int:
                 pools.close()
     finally:
         servers.stop()
-    results["machine"]["loadavg_end"] = list(os.getloadavg())
-    results["duration_s"] = round(time.monotonic() - started, 1)
-    results["targets"] = report.evaluate_targets(results)
-    json_path = os.path.join(out_dir, "benchmarks.json")
-    with open(json_path, "w") as f:
-        json.dump(results, f, indent=1, sort_keys=False)
-        f.write("\n")
+    json_path = _finish(results, started, out_dir, report.evaluate_targets)
     print(_write_reports(results, out_dir), flush=True)
     say(f"wrote {json_path} ({results['duration_s']:.0f} s)")
     bad = [c for c in results["latency"] + results["rerendezvous"]
            if c["target"] in RDZV_TARGETS and c["status"] == "error"]
     return 1 if bad else 0
+
+
+def _steady(args: argparse.Namespace, argv: list[str], plan: Plan) -> int:
+    """``--steady SECONDS``: the steady scenario on each rdzv target; JSON and a table in a temp/out dir."""
+    targets = args.targets.split(",") if args.targets else list(RDZV_TARGETS)
+    unknown = [t for t in targets if t not in RDZV_TARGETS]
+    if unknown:
+        print(f"--steady runs rdzv targets only; unknown or not rdzv: {unknown}", file=sys.stderr)
+        return 2
+    out_dir = args.out_dir or tempfile.mkdtemp(prefix="rdzv-bench-steady-")
+    os.makedirs(out_dir, exist_ok=True)
+    client_modes = {t: (AUTO_CLIENT_MODE.get(t, "shared") if args.client_mode == "auto" else args.client_mode)
+                    for t in targets}
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        print(f"[{time.monotonic() - started:6.1f}s] {text}", flush=True)
+
+    results: dict[str, Any] = {
+        "command": "python -m benchmarks.run " + shlex.join(argv),
+        "mode": "steady",
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"cpus": os.cpu_count(), "loadavg_start": list(os.getloadavg()), "platform": platform.platform(),
+                    "python": platform.python_version()},
+        "config": {"procs": args.procs, "client_modes": client_modes, "plan": plan.as_dict(), "targets": targets,
+                   "steady_s": args.steady, "steady_n": args.steady_n},
+        "code": _git_state(),
+        "steady": [],
+    }
+    servers = Servers(targets)
+    try:
+        results["servers"] = servers.versions()
+        say(f"steady: targets {targets}, N {args.steady_n}, {args.steady:g} s each; writing to {out_dir}")
+        for target in targets:
+            procs = 1 if target == "memory" else args.procs
+            pools = LazyPool(_target_spec(target, servers, client_modes[target]), procs)
+            try:
+                results["steady"].append(run_steady(target, pools, servers, plan, args.steady_n, args.steady, say))
+            finally:
+                pools.close()
+    finally:
+        servers.stop()
+    json_path = _finish(results, started, out_dir, lambda r: report.steady_targets(r["steady"]))
+    table = report.steady_markdown(results)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(table)
+    print(table, flush=True)
+    say(f"wrote {json_path} ({results['duration_s']:.0f} s)")
+    return 0 if all(c["status"] == "ok" for c in results["steady"]) else 1
+
+
+def _finish(results: dict[str, Any], started: float, out_dir: str,
+            verdicts: Callable[[dict[str, Any]], Any]) -> str:
+    """Record the end load, duration and target verdicts; write ``out_dir/benchmarks.json``; return its path."""
+    results["machine"]["loadavg_end"] = list(os.getloadavg())
+    results["duration_s"] = round(time.monotonic() - started, 1)
+    results["targets"] = verdicts(results)
+    json_path = os.path.join(out_dir, "benchmarks.json")
+    with open(json_path, "w") as f:
+        json.dump(results, f, indent=1)
+        f.write("\n")
+    return json_path
 
 
 def _git_state() -> dict[str, Any]:

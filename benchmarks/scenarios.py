@@ -12,6 +12,18 @@
     once their workers fail. Measured: from the crash until every survivor holds
     its new rank. The new round has N - 1 = ``min_nodes`` members, so it includes
     one ``last_call_timeout``.
+``steady``
+    N agents with ``min_nodes = max_nodes = N`` form a round, then hold it for a
+    given number of seconds with their keep-alives running (nothing else calls the
+    backend but the monitor below). Judged, not hoped: a monitor in one worker
+    watches the round's ``alive/`` keys for ``DELETE`` events and, every
+    :data:`STEADY_CHECK_INTERVAL` seconds, lists them, reads the round record and
+    calls one agent's ``num_nodes_waiting()``; at the end every agent reports its
+    ``KeepAlive.lapsed``, recreations and ``num_nodes_waiting()``, and the largest
+    gap between two refreshes of its key (the refresh lateness, timed on its
+    counting proxy). The cell is ``ok`` when no key lapsed or was deleted, no
+    ``lapsed`` event was set, the record stayed the same final round and nobody
+    was told to re-rendezvous.
 """
 
 from __future__ import annotations
@@ -23,10 +35,15 @@ from typing import Any, Callable
 from .counting import READ_OPS, WRITE_OPS
 from .harness import CellTimeout, LazyPool, WorkerPool, check_ranks
 
-__all__ = ["Plan", "run_latency", "run_rerendezvous", "summarise_counts", "SMALL_N"]
+__all__ = ["Plan", "run_latency", "run_rerendezvous", "run_steady", "summarise_counts", "SMALL_N",
+           "STEADY_CHECK_INTERVAL"]
 
 #: N up to this is "small": it always gets ``Plan.min_reps`` repetitions.
 SMALL_N = 64
+#: Seconds between the steady monitor's checks (list ``alive/``, read the record, ``num_nodes_waiting``).
+STEADY_CHECK_INTERVAL = 1.0
+#: Seconds after a steady hold for the workers' reports (each agent's final ``num_nodes_waiting``).
+STEADY_REPORT_GRACE = 120.0
 
 
 class Plan:
@@ -287,3 +304,86 @@ def _rerdzv_round(pool: WorkerPool, name: str, n: int, servers: Any, plan: Plan)
     else:
         rec["status"] = "timeout" if any(a.get("unfinished") for a in agents) else "error"
     return rec
+
+
+# -- steady state ------------------------------------------------------------------------------------
+def run_steady(name: str, pools: LazyPool, servers: Any, plan: Plan, n: int, seconds: float,
+               say: Callable[[str], None]) -> dict[str, Any]:
+    """The steady cell of one rdzv target: ``n`` agents hold one round for ``seconds`` seconds.
+
+    Returns the cell: ``status`` (``ok``; ``evicted`` when a key lapsed, the record
+    changed or an agent was told to re-rendezvous; ``timeout``/``error`` when the
+    round did not form or a worker failed), the counts behind it and the refresh
+    lateness (``refresh_gap_max_s``: the longest time any key went unrefreshed, in
+    seconds; a key lapses once that reaches ``keep_alive_ttl``).
+    """
+    cell: dict[str, Any] = {"target": name, "n": n, "seconds": seconds, "keep_alive_ttl": plan.keep_alive_ttl,
+                            "check_interval_s": STEADY_CHECK_INTERVAL}
+    pool = pools.get()
+    limit = plan.limit_for(n)
+    try:
+        pool.setup(n, min_nodes=n, max_nodes=n, timeout=limit, last_call_timeout=plan.last_call_timeout,
+                   keep_alive_ttl=plan.keep_alive_ttl)
+        t0, agents, _ = pool.round(limit)
+        problem = check_ranks(agents, n)
+        if problem is not None:
+            pools.kill()
+            cell.update(status="timeout" if any(a.get("unfinished") for a in agents) else "error",
+                        problem=f"the round did not form: {problem}")
+            say(f"  {name:14s} N={n:5d}  steady: {cell['status']}: {cell['problem']}")
+            return cell
+        cell["formation_s"] = round(max(a["t_done"] for a in agents) - t0, 3)
+        say(f"  {name:14s} N={n:5d}  steady: round formed in {cell['formation_s']:.2f} s; holding {seconds:g} s")
+        before, cpu = servers.request_counts(name), servers.cpu_seconds(name)
+        reports = pool.call([("steady", seconds, i == 0, STEADY_CHECK_INTERVAL) for i in range(pool.procs)],
+                            "held", seconds + STEADY_REPORT_GRACE)
+    except (CellTimeout, RuntimeError) as exc:
+        pools.kill()
+        cell.update(status="error", problem=str(exc)[:2000])
+        say(f"  {name:14s} N={n:5d}  steady: error: {cell['problem'][:300]}")
+        return cell
+    cpu_after = servers.cpu_seconds(name)
+    server = servers.diff(before, servers.request_counts(name))
+    cell.update(_steady_summary(reports, n, seconds))
+    cell["server_requests_per_agent_s"] = (None if server is None else
+                                           round(sum(server.values()) / n / max(seconds, 1e-9), 3))
+    cell["server_cpu_s"] = None if cpu is None or cpu_after is None else round(cpu_after - cpu, 3)
+    pool.cleanup()
+    say(f"  {name:14s} N={n:5d}  steady: {cell['status']}: {cell['alive_deletes']} key deletions, "
+        f"{cell['lapsed_events']} lapsed events, {cell['record_changes']} record changes, "
+        f"num_nodes_waiting max {cell['num_nodes_waiting_max']}, refresh gap max {cell['refresh_gap_max_s']:.2f} s")
+    return cell
+
+
+def _steady_summary(reports: list[dict[str, Any]], n: int, seconds: float) -> dict[str, Any]:
+    """One steady cell's verdict and counts from the workers' ``held`` reports (worker 0 monitored)."""
+    mon = reports[0]["monitor"]
+    total = {k: sum(r[k] for r in reports) for k in ("lapsed_events", "recreated", "keepalives_not_running",
+                                                    "agents_told_to_rejoin", "num_nodes_waiting_errors",
+                                                    "refreshes", "agents")}
+    ops: dict[str, int] = {}
+    for r in reports:
+        for op, k in r["keepalive_ops"].items():
+            ops[op] = ops.get(op, 0) + k
+    log: dict[str, int] = {}
+    for r in reports:
+        for key, k in r["log"]["counts"].items():
+            log[key] = log.get(key, 0) + k
+    out: dict[str, Any] = {
+        "alive_deletes": mon["alive_deletes"], "alive_keys_at_start": mon["alive_keys_at_start"],
+        "alive_keys_min": mon["alive_keys_min"], "record_changes": mon["record_changes"],
+        "num_nodes_waiting_max": mon["num_nodes_waiting_max"], "monitor_checks": mon["checks"],
+        "monitor_errors": mon["errors"], "deleted_examples": mon["deleted_examples"],
+        "watch_compacted": mon["watch_compacted"], **total,
+        "refresh_gap_max_s": max(r["refresh_gap_max_s"] for r in reports),
+        "refresh_gaps_worst_s": sorted(g for r in reports for g in r["refresh_gaps_s"])[-5:],
+        "refreshes_per_agent_s": round(total["refreshes"] / n / max(seconds, 1e-9), 3),
+        "keepalive_ops": ops, "threads_per_worker": [r["threads"] for r in reports],
+        "held_s": max(r["held_s"] for r in reports), "log": log,
+    }
+    evicted = (out["alive_deletes"] or out["alive_keys_min"] != n or out["alive_keys_at_start"] != n
+               or out["record_changes"] or out["num_nodes_waiting_max"] or out["lapsed_events"]
+               or out["recreated"] or out["keepalives_not_running"] or out["agents_told_to_rejoin"])
+    incomplete = out["monitor_errors"] or out["num_nodes_waiting_errors"] or out["agents"] != n
+    out["status"] = "evicted" if evicted else "error" if incomplete else "ok"
+    return out

@@ -86,3 +86,19 @@ def test_outputs_record_the_command_and_load(smoke: dict) -> None:
     assert os.path.getsize(os.path.join(smoke["_out"], "results.md")) > 0
     pytest.importorskip("matplotlib")
     assert os.path.getsize(os.path.join(smoke["_out"], "benchmarks.png")) > 0
+
+
+def test_steady_scenario_judges_a_held_round(tmp_path) -> None:
+    """``--steady``: 4 memory agents hold one round 3 s; nothing lapsed, and the verdict says so (~6 s)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--steady", "3", "--steady-n", "4", "--targets", "memory",
+         "--out-dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"steady run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    with open(tmp_path / "benchmarks.json") as f:
+        cell = json.load(f)["steady"][0]
+    assert cell["status"] == "ok", cell
+    assert cell["alive_keys_at_start"] == cell["alive_keys_min"] == 4
+    assert cell["monitor_checks"] >= 1 and cell["refreshes"] >= 4  # every key refreshed at least once in 3 s
+    assert 0 < cell["refresh_gap_max_s"] < cell["keep_alive_ttl"]

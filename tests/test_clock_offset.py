@@ -79,7 +79,7 @@ print(json.dumps({"rank": r.rank, "world_size": r.world_size, "version": r.versi
                   "time": time.time()}), flush=True)
 sys.stdin.read()
 k = rdzv._keepalive
-print(json.dumps({"alive": k._thread.is_alive(), "lapsed": k.lapsed.is_set(), "recreated": k.recreated}),
+print(json.dumps({"alive": k.is_alive(), "lapsed": k.lapsed.is_set(), "recreated": k.recreated}),
       flush=True)
 rdzv.leave()
 kv.close()
@@ -185,7 +185,7 @@ def test_agent_with_clock_30s_ahead_is_not_evicted(base_url: str, offset_agent, 
         alive_after = observer.list(f"{root}/v_{ours.version}/alive/")[0]
         waiting = local.rdzv.num_nodes_waiting()
         ka = local.rdzv._keepalive
-        ours_keepalive = {"alive": ka is not None and ka._thread.is_alive(),
+        ours_keepalive = {"alive": ka is not None and ka.is_alive(),
                           "lapsed": ka is not None and ka.lapsed.is_set(), "recreated": ka.recreated if ka else 0}
         report = remote.finish(30)
     finally:

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from conformance_tests.test_protocol import quiet
 from conformance_tests.etcd_cluster import EtcdCluster, EtcdMember
 from conformance_tests.test_rendezvous import Agent, crew_of, round_of
 from rdzv_core import (
@@ -195,7 +196,7 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     assert record_after is not None and record_after.value == record.value, (record.value, record_after)
     assert sorted(e.key.rsplit("/", 1)[1] for e in alive) == ["rank_0", "rank_1"], alive
     assert waiting == [0, 0], "a member was told to re-rendezvous"
-    assert all(k is not None and k._thread.is_alive() for k in keepalives), "a keep-alive thread ended"
+    assert all(k is not None and k.is_alive() for k in keepalives), "a keep-alive thread ended"
     second = round_of([m.start() for m in members], recovery_bound(scheme))
     assert second[0].version > version
     assert not gone and not any(lapsed), f"keep-alive keys expired after the kill: {gone} (lapsed: {lapsed})"
@@ -260,10 +261,4 @@ def _resolution(scheme: str) -> float:
 
 def _deletes_under(kv: KVBackend, prefix: str, after: int, until: float) -> list[Any]:
     """``DELETE`` events under ``prefix`` after revision ``after``, watched until ``until`` (monotonic)."""
-    deleted = []
-    while (remaining := until - time.monotonic()) > 0:
-        for event in kv.watch(prefix, after, remaining):
-            after = max(after, event.revision)
-            if event.type is EventType.DELETE:
-                deleted.append(event)
-    return deleted
+    return [e for e in quiet(kv, prefix, after, until - time.monotonic()) if e.type is EventType.DELETE]

@@ -213,7 +213,7 @@ def test_keepalive_outlives_a_black_hole_shorter_than_its_ttl(
         _sleep_until(began + hole)  # the fault's duration is the test's input, not a hope
         proxy.set_mode(Mode.PASS)
         healed = time.monotonic()
-        survived_hole = keepalive._thread.is_alive()
+        survived_hole = keepalive.is_alive()
         deleted = _deletes_of(direct, prefix, key, after, until=began + ttl + resolution)
         present = direct.get(key)
     finally:
