@@ -252,7 +252,7 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
             time.sleep(0.05)
         # A keep-alive ends only when its key is found gone (``lapsed``; a starved thread on a loaded
         # machine can let a 1 s TTL run out before the pause): errors alone must not end it.
-        alive_in_pause = [k is not None and (k._thread.is_alive() or k.lapsed.is_set()) for k in keepalives]
+        alive_in_pause = [k is not None and (k.is_alive() or k.lapsed.is_set()) for k in keepalives]
     finally:
         server.resume()
     resumed = time.monotonic()
@@ -280,7 +280,7 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
     for k, fate in zip(keepalives, fates, strict=True):
         assert k is not None
         if fate == "kept":
-            assert k._thread.is_alive(), "a keep-alive thread stopped although its key was kept"
+            assert k.is_alive(), "a keep-alive stopped refreshing although its key was kept"
 
     second = round_of([m.start() for m in members], TTL + _resolution(capabilities) + LAST_CALL + MARGIN + 10)
     assert second[0].version > first[0].version

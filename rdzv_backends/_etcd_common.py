@@ -32,7 +32,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, cast
+from typing import Callable, Hashable, TypeVar, cast
 
 from rdzv_core.errors import BackendTimeout, InvalidURLError, KVError
 from rdzv_core.url import Converter, RendezvousURL, to_str
@@ -50,6 +50,7 @@ __all__ = [
     "RaceRetry",
     "Tries",
     "AddCombiner",
+    "ReadCoalescer",
     "may_have_applied",
     "ttl_seconds",
     "unreachable",
@@ -65,6 +66,8 @@ MAX_VALUE_BYTES = 1024 * 1024
 
 #: Shortest time one attempt of a request gets (seconds); see :meth:`Deadline.attempt`.
 MIN_ATTEMPT = 0.5
+
+T = TypeVar("T")
 
 _BACKOFF_FIRST = 0.05
 _BACKOFF_CAP = 1.0
@@ -491,6 +494,101 @@ class AddCombiner:
                     del self._queues[key]
             for w in batch[1:]:
                 w.done.set()
+
+
+
+class _Read:
+    """One request of a :class:`ReadCoalescer` and the calls it answers."""
+
+    __slots__ = ("go", "done", "answer", "error", "calls")
+
+    def __init__(self) -> None:
+        self.calls = 1  # calls this request answers
+        self.go = threading.Event()  # the request before it ended: send this one
+        self.done = threading.Event()
+        self.answer: object = None
+        self.error: BaseException | None = None
+
+
+class ReadCoalescer:
+    """Concurrent identical reads through one backend object share requests, each as fresh as its own.
+
+    Hundreds of agent threads of one process read the same keys at once (the
+    rendezvous state after each change, the bootstrap record). The first call
+    for a key sends its request at once. A call that finds a request for the
+    key in flight joins the key's *next* request, which the first call to join
+    it sends as soon as the one in flight ends, and whose answer serves every
+    call that joined before it was sent. Every call's answer thus comes from a
+    request sent after the call began -- it reflects every write that completed
+    before the call, as the call's own request would (a linearizable read stays
+    linearizable) -- and at most two requests per key are outstanding.
+
+    Deadlines: a request runs under the deadline of the call that sends it, the
+    oldest of its group, so no call waits past its own deadline (plus the time
+    the request in flight overruns its own); errors are shared by the group.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._flights: dict[Hashable, list[_Read | None]] = {}  # key -> [request in flight, next request]
+
+    def waiting(self, key: Hashable) -> int:
+        """How many calls wait for the next request of ``key`` (not yet sent); for tests and diagnostics."""
+        with self._lock:
+            slot = self._flights.get(key)
+            nxt = None if slot is None else slot[1]
+            return 0 if nxt is None else nxt.calls
+
+    def read(self, key: Hashable, deadline: Deadline, fetch: Callable[[], T]) -> T:
+        """``fetch()`` (one request, under ``deadline``), or the answer of one sent after this call began.
+
+        Raises:
+            whatever ``fetch`` raised for this call's group (a copy per call);
+            BackendTimeout: the request before this call's group did not end in time.
+        """
+        with self._lock:
+            slot = self._flights.get(key)
+            if slot is None:
+                me, lead = _Read(), True
+                me.go.set()
+                self._flights[key] = [me, None]
+            elif slot[1] is None:
+                me, lead = _Read(), True
+                slot[1] = me
+            else:
+                me, lead = slot[1], False
+                me.calls += 1
+        if not lead:
+            if not me.done.wait(deadline.remaining() + 30.0):
+                raise BackendTimeout(f"a read of {key!r} shared with other threads did not end in time")
+            if me.error is not None:
+                raise _copy_error(me.error)
+            return cast(T, me.answer)
+        if not me.go.wait(deadline.remaining() + 30.0):
+            with self._lock:
+                if slot is not None and slot[1] is me:  # never promoted: give the group up
+                    slot[1] = None
+                    me.error = BackendTimeout(f"a read of {key!r} in flight in another thread did not end in time")
+                    me.done.set()
+                    raise _copy_error(me.error)
+        try:
+            answer = fetch()
+        except BaseException as exc:
+            me.error = exc if isinstance(exc, Exception) else KVError(f"a read of {key!r} was interrupted")
+            raise
+        else:
+            me.answer = answer
+            return answer
+        finally:
+            with self._lock:
+                current = self._flights[key]
+                nxt = current[1]
+                if nxt is not None:
+                    current[0], current[1] = nxt, None
+                    nxt.go.set()
+                else:
+                    del self._flights[key]
+            me.done.set()
 
 
 def _copy_error(error: BaseException) -> BaseException:

@@ -23,6 +23,11 @@ Keys and values
 Revisions
     ``Entry.revision`` is the key's ``mod_revision``; ``list`` returns the
     answer's ``header.revision``.
+Reads
+    ``get`` and ``list`` are linearizable ``Range`` requests. Concurrent calls
+    of the same ``get`` or ``list`` through one backend object (threads
+    sharing a client) share requests, each answered by one sent after it was
+    called (:class:`~rdzv_backends._etcd_common.ReadCoalescer`).
 Writes
     ``create`` is a transaction ``version(key) == 0 -> put``; ``compare_and_swap``
     and ``compare_and_delete`` are transactions on ``mod_revision(key) ==
@@ -55,10 +60,16 @@ TTL: one lease per key
     expiry is seen up to 2.5 s after the requested TTL (``ttl_resolution``;
     measured up to 1.45 s on a server whose minimum lease is 1 s).
 Watch
-    One gRPC watch stream per call, from ``after_revision + 1`` on the prefix
-    range, with the call's timeout as its gRPC deadline. A watch below the
-    compaction point answers ``compact_revision``, raised as
-    :class:`~rdzv_core.errors.HistoryCompacted`.
+    All watches of a backend object share ONE gRPC watch stream per endpoint
+    (:class:`_WatchStream`): a call sends a ``WatchCreateRequest`` from
+    ``after_revision + 1`` on the prefix range and waits, until its own
+    timeout, for the stream's dispatcher thread to hand it the first events;
+    calls of the same range and ``after_revision`` share one server watch. A
+    watch no call waits on any more is cancelled on the server. A watch below
+    the compaction point answers ``compact_revision``, raised as
+    :class:`~rdzv_core.errors.HistoryCompacted`; another cancellation by etcd
+    raises :class:`~rdzv_core.errors.KVError` with its reason. A failed stream
+    wakes every call on it, which retries on a new stream (see "Failures").
 Failures
     Each operation has ``operation_timeout`` seconds (query key, default 10),
     shared by the attempts of its RPCs: one attempt may take
@@ -105,7 +116,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterator, NamedTuple, TypeVar
+from typing import Any, Callable, NamedTuple, TypeVar
 
 from rdzv_core.errors import (
     BackendClosed,
@@ -113,17 +124,16 @@ from rdzv_core.errors import (
     BackendTimeout,
     BackendUnavailable,
     CompareFailed,
-    HistoryCompacted,
-    InvalidKeyError,
     InvalidURLError,
     KeyExists,
     KeyNotFound,
     KVError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
+from rdzv_core.kv import Capabilities, Entry, Event, KVBackend, parse_counter
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
+from ._etcd_v3_watch import _key, _StreamError, _WatchStream
 from ._etcd_common import (
     DEFAULT_PORT,
     MAX_VALUE_BYTES,
@@ -134,6 +144,7 @@ from ._etcd_common import (
     EtcdSettings,
     FailureBudget,
     RaceRetry,
+    ReadCoalescer,
     Tries,
     may_have_applied,
     ttl_seconds,
@@ -191,6 +202,8 @@ class _Endpoint:
         self.watch = etcdrpc.WatchStub(self.channel)
         self.auth = etcdrpc.AuthStub(self.channel)
         self.maintenance = etcdrpc.MaintenanceStub(self.channel)
+        self.stream: _WatchStream | None = None  # the watch stream new watches join (see _WatchStream)
+        self.stream_lock = threading.Lock()
 
 
 def _read(path: str | None, field_name: str) -> bytes | None:
@@ -251,6 +264,7 @@ class EtcdV3Backend(KVBackend):
         self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it
         self._token_lock = threading.Lock()
         self._adds = AddCombiner()
+        self._reads = ReadCoalescer()
         self._counters: dict[str, _Counter] = {}  # key -> state last written by add (see _add_once)
         try:
             if settings.username is not None:
@@ -326,7 +340,7 @@ class EtcdV3Backend(KVBackend):
                 ep = self._eps[index]
                 try:
                     answer = rpc(ep, max(per_try, _MIN_TRY), self._metadata())
-                except grpc.RpcError as exc:
+                except (grpc.RpcError, _StreamError) as exc:
                     if self._closed:
                         raise BackendClosed(f"{type(self).__name__} was closed during {what}") from None
                     code, details = exc.code(), exc.details() or ""
@@ -456,14 +470,16 @@ class EtcdV3Backend(KVBackend):
         return answer.kvs[0] if answer.kvs else None
 
     def _do_get(self, key: str) -> Entry | None:
-        kv = self._get_kv(key, self._deadline())
+        deadline = self._deadline()
+        kv = self._reads.read(("get", key), deadline, lambda: self._get_kv(key, deadline))
         return None if kv is None else Entry(key, bytes(kv.value), int(kv.mod_revision))
 
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
         start, end = _prefix_range(prefix)
         request = self._range(start, end)
-        answer = self._call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), self._deadline(),
-                            what=f"list {prefix!r}")
+        deadline = self._deadline()
+        answer = self._reads.read(("list", prefix), deadline, lambda: self._call(
+            lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), deadline, what=f"list {prefix!r}"))
         entries = [Entry(key, bytes(kv.value), int(kv.mod_revision))
                    for kv in answer.kvs if (key := _key(kv.key)) is not None]
         return entries, int(answer.header.revision)
@@ -687,64 +703,47 @@ class EtcdV3Backend(KVBackend):
     # -- watch -----------------------------------------------------------------------
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         start, end = _prefix_range(prefix)
-        create = self._rpc.WatchCreateRequest(key=start, range_end=end, start_revision=after_revision + 1)
         poll = Deadline(timeout)
         return self._call(
-            lambda ep, t, md: self._watch_once(ep, create, poll, after_revision, md),
+            lambda ep, t, md: self._watch_once(ep, start, end, after_revision, poll, md),
             FailureBudget(self.settings.operation_timeout, poll), what=f"watch {prefix!r}",
         )
 
-    def _watch_once(self, ep: _Endpoint, create: Any, poll: Deadline, after_revision: int, md: Any) -> list[Event]:
-        """One watch stream on ``ep`` until an event, the compaction answer, or ``poll`` passes."""
-        grpc = self._grpc
-        done = threading.Event()
+    def _watch_once(self, ep: _Endpoint, start: bytes, end: bytes, after: int, poll: Deadline,
+                    md: Any) -> list[Event]:
+        """Wait on ``ep``'s shared watch stream until an event after ``after``, an error, or ``poll`` passes.
 
-        def requests() -> Iterator[Any]:
-            yield self._rpc.WatchRequest(create_request=create)
-            done.wait()
-
-        call = ep.watch.Watch(requests(), timeout=max(poll.remaining(), 0.05), metadata=md)
+        Raises:
+            _StreamError: the stream failed (``_call`` retries); HistoryCompacted, KVError: see the stream.
+        """
+        for _ in range(3):  # a stream that fails between being found and subscribed to is replaced
+            with ep.stream_lock:
+                stream = ep.stream
+                if stream is None or stream.failure is not None or stream.retired or stream.metadata != md:
+                    if stream is not None:
+                        stream.retire()
+                    stream = ep.stream = _WatchStream(self, ep, md)
+            sub = stream.subscribe(start, end, after)
+            if sub is not None:
+                break
+        else:
+            raise _StreamError(self._grpc.StatusCode.UNAVAILABLE, "the watch stream failed at once, thrice")
         try:
-            for answer in call:
-                if answer.compact_revision:
-                    raise HistoryCompacted(
-                        f"etcd compacted its history up to revision {answer.compact_revision}; events after "
-                        f"{after_revision} are gone: re-read and watch from the revision read",
-                        create.key.decode("utf-8", "replace"),
-                    )
-                if answer.canceled:
-                    raise KVError(f"etcd at {ep.target} cancelled the watch: {answer.cancel_reason}")
-                events = [e for ev in answer.events
-                          if ev.kv.mod_revision > after_revision and (e := _event(ev)) is not None]
-                if events:
-                    return events
-            return []
-        except grpc.RpcError as exc:
-            # The stream's deadline: gRPC reports DEADLINE_EXCEEDED, or etcd first ends it with
-            # UNKNOWN "context deadline exceeded".
-            if _deadline_exceeded(exc.code(), exc.details() or "") and poll.remaining() < _MIN_TRY:
-                return []
-            raise
+            sub.woken.wait(max(poll.remaining(), _MIN_TRY))  # as long as a stream's shortest gRPC deadline was
         finally:
-            done.set()
-            call.cancel()
+            stream.unsubscribe(sub)
+        if sub.error is not None:
+            raise sub.error
+        return sub.events
 
     def _do_close(self) -> None:
         for ep in getattr(self, "_eps", ()):
-            ep.channel.close()
+            ep.channel.close()  # fails every watch stream: their callers raise BackendClosed
 
 
 def _k(key: str) -> bytes:
     return ("/" + key).encode("utf-8")
 
-
-def _key(raw: bytes) -> str | None:
-    """Our key for a v3 key (``b"/a/b"`` -> ``"a/b"``); ``None`` for keys another program wrote
-    that no key of ours can be (not UTF-8, or outside the key grammar)."""
-    try:
-        return check_key(bytes(raw).decode("utf-8")[1:])
-    except (UnicodeDecodeError, InvalidKeyError):
-        return None
 
 
 def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
@@ -752,14 +751,6 @@ def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
     start = _k(prefix) if prefix else b"/"
     return start, start[:-1] + bytes([start[-1] + 1])
 
-
-def _event(ev: Any) -> Event | None:
-    key = _key(ev.kv.key)
-    if key is None:
-        return None
-    if ev.type == 1:  # mvccpb.Event.DELETE
-        return Event(EventType.DELETE, key, int(ev.kv.mod_revision))
-    return Event(EventType.PUT, key, int(ev.kv.mod_revision), bytes(ev.kv.value))
 
 
 def _own_write(kv: Any, value: bytes, lease: int, tries: Tries, *, created: bool = False) -> bool:

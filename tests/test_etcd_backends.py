@@ -14,6 +14,7 @@ when their fixture ends.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import shutil
@@ -26,7 +27,7 @@ import pytest
 
 from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.servers import free_port
-from rdzv_backends._etcd_common import AddCombiner, Deadline, FailureBudget, RaceRetry, ttl_seconds
+from rdzv_backends._etcd_common import AddCombiner, Deadline, FailureBudget, RaceRetry, ReadCoalescer, ttl_seconds
 from rdzv_core import (
     BackendConnectionError,
     BackendTimeout,
@@ -970,3 +971,223 @@ def test_v2_many_concurrent_watches_share_one_backend_quietly(
     assert results == [[]] * 64
     assert kv.put("quiet/k", b"v").value == b"v"
     assert not [r for r in caplog.records if r.name.startswith("urllib3")], caplog.text
+
+
+# -- v3: one multiplexed watch stream per endpoint ------------------------------------------
+def _metric(server: EtcdServer, name: str, labels: str = "") -> float:
+    """The value of ``name`` (whose label set contains ``labels``) on ``server``'s ``/metrics`` page."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.client_url}/metrics", timeout=10) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith(name) and labels in line and line[len(name)] in " {":
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name}{{{labels}}} on {server.client_url}/metrics")
+
+
+def _watchers(server: EtcdServer) -> int:
+    return int(_metric(server, "etcd_debugging_mvcc_watcher_total"))
+
+
+def _watch_streams_started(server: EtcdServer) -> int:
+    return int(_metric(server, "grpc_server_started_total", 'grpc_service="etcdserverpb.Watch"'))
+
+
+def _until(condition: Callable[[], bool], seconds: float) -> bool:
+    """Poll a server-side ``condition`` every 50 ms until it holds or ``seconds`` pass."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _watch_in_threads(
+    kv: KVBackend, calls: list[tuple[str, int, float]]
+) -> tuple[list[object], list[threading.Thread]]:
+    """Start one thread per ``(prefix, after_revision, timeout)`` watch; results (events or exception) by index."""
+    results: list[object] = [None] * len(calls)
+
+    def run(i: int, prefix: str, after: int, timeout: float) -> None:
+        try:
+            results[i] = kv.watch(prefix, after, timeout)
+        except BaseException as exc:  # judged by the caller
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, *call), daemon=True) for i, call in enumerate(calls)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def test_v3_concurrent_watches_share_one_stream_and_are_cancelled(
+    own_etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """200 watches of distinct prefixes and 50 of one prefix through one backend: ONE Watch stream on the
+    server, 201 server watches (the 50 share one), each call woken by its own prefix's change only, and no
+    watch left on the server once the calls returned."""
+    kv = opener(f"etcd-v3://{own_etcd.address}/")
+    _, revision = kv.list("many/")
+    streams_before = _watch_streams_started(own_etcd)
+    calls = [(f"many/p{i}/", revision, 120.0) for i in range(200)] + [("many/shared/", revision, 120.0)] * 50
+    results, threads = _watch_in_threads(kv, calls)
+    assert _until(lambda: _watchers(own_etcd) == 201, 60), f"{_watchers(own_etcd)} watchers on the server"
+    assert _watch_streams_started(own_etcd) - streams_before == 1
+    written = {f"many/p{i}/": kv.put(f"many/p{i}/k", str(i).encode()) for i in range(200)}
+    written["many/shared/"] = kv.put("many/shared/k", b"s")
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for (prefix, _, _), result in zip(calls, results, strict=True):
+        entry = written[prefix]
+        assert isinstance(result, list) and [(e.type, e.key, e.revision, e.value) for e in result] == [
+            (EventType.PUT, entry.key, entry.revision, entry.value)
+        ], (prefix, result)
+    assert _until(lambda: _watchers(own_etcd) == 0, 30), "watches were left on the server"
+    assert _watch_streams_started(own_etcd) - streams_before == 1
+
+
+def test_v3_watch_given_up_is_cancelled_on_the_server(own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """A quiet watch returns ``[]`` at its timeout and its server watch is cancelled; so is one whose create
+    etcd answered only after the call had returned (the server was paused)."""
+    kv = opener(f"etcd-v3://{own_etcd.address}/")
+    _, revision = kv.list("quiet/")
+    assert kv.watch("quiet/", revision, 0.3) == []
+    assert _until(lambda: _watchers(own_etcd) == 0, 30), "the timed-out watch was left on the server"
+    own_etcd.pause()
+    try:
+        assert kv.watch("quiet/", revision, 0.5) == []
+    finally:
+        own_etcd.resume()
+    assert _until(lambda: _watchers(own_etcd) == 0, 30), "the late-created watch was left on the server"
+    entry = kv.put("quiet/k", b"v")
+    assert [e.revision for e in kv.watch("quiet/", revision, 10.0)] == [entry.revision]
+
+
+def test_v3_killed_server_wakes_every_waiting_watch(own_etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """50 watches on one stream when the server dies: each raises ``BackendConnectionError`` within
+    ``operation_timeout``; after the restart a new stream serves a new watch."""
+    kv = opener(f"etcd-v3://{own_etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    _, revision = kv.list("dies/")
+    results, threads = _watch_in_threads(kv, [(f"dies/p{i % 5}/", revision, 120.0) for i in range(50)])
+    assert _until(lambda: _watchers(own_etcd) == 5, 30)
+    own_etcd.kill()
+    killed = time.monotonic()
+    for t in threads:
+        t.join(max(0.0, killed + OP_TIMEOUT + SLACK - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "a watch outlived its server by more than operation_timeout"
+    assert all(isinstance(r, BackendConnectionError) for r in results), {repr(r) for r in results}
+    own_etcd.start()
+    entry = kv.put("dies/p0/k", b"back")
+    assert [e.revision for e in kv.watch("dies/", revision, 10.0)] == [entry.revision]
+
+
+def test_v3_dropped_connection_wakes_every_waiting_watch(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """Connections reset under 50 waiting watches (a proxy's ``drop``): each raises ``BackendConnectionError``
+    within ``operation_timeout`` and slack; back in ``pass``, a watch on a new stream sees a new write."""
+    from conformance_tests.proxy import Mode, TCPProxy
+
+    with TCPProxy(etcd.host, etcd.port) as proxy:
+        kv = opener(f"etcd-v3://{proxy.address}/?operation_timeout={OP_TIMEOUT}")
+        _, revision = kv.list("drop/")
+        base = _watchers(etcd)  # other tests' backends are closed: their watches are gone
+        results, threads = _watch_in_threads(kv, [(f"drop/p{i % 5}/", revision, 120.0) for i in range(50)])
+        assert _until(lambda: _watchers(etcd) >= base + 5, 30), "the watches never reached the server"
+        proxy.set_mode(Mode.DROP)
+        dropped = time.monotonic()
+        for t in threads:
+            t.join(max(0.0, dropped + OP_TIMEOUT + SLACK - time.monotonic()))
+        assert not any(t.is_alive() for t in threads), "a watch outlived its connection by more than operation_timeout"
+        assert all(isinstance(r, BackendConnectionError) for r in results), {repr(r) for r in results}
+        proxy.set_mode(Mode.PASS)
+        entry = kv.put("drop/p1/k", b"v")
+        assert [e.revision for e in kv.watch("drop/", revision, 10.0)] == [entry.revision]
+
+
+# -- v3: concurrent identical reads share requests -----------------------------------------
+def test_read_coalescer_answers_each_call_with_a_request_sent_after_it() -> None:
+    """A read in flight; 10 calls arrive meanwhile: they share ONE next request, sent only once the first
+    ended; a failed request fails every call of its group (each with its own copy of the error)."""
+    reads = ReadCoalescer()
+    release = [threading.Event(), threading.Event()]
+    sent: list[int] = []
+    lock = threading.Lock()
+
+    def fetch() -> int:
+        with lock:
+            number = len(sent)
+            sent.append(number)
+        assert release[number].wait(30)
+        return number
+
+    first = _in_thread(lambda: reads.read("k", Deadline(30), fetch))
+    assert _until(lambda: sent == [0], 10)
+    joiners = [_in_thread(lambda: reads.read("k", Deadline(30), fetch)) for _ in range(10)]
+    assert _until(lambda: reads.waiting("k") == 10, 10)
+    other = reads.read("other", Deadline(30), lambda: "independent")  # another key is not held up
+    assert other == "independent" and sent == [0], "a call joined the request in flight, or sent its own"
+    release[0].set()
+    assert first.result(10) == 0
+    assert _until(lambda: sent == [0, 1], 10)
+    release[1].set()
+    assert [j.result(10) for j in joiners] == [1] * 10 and sent == [0, 1]
+
+    gate, in_flight = threading.Event(), threading.Event()
+
+    def slow() -> int:
+        in_flight.set()
+        gate.wait(30)
+        return 0
+
+    def failing() -> int:
+        raise BackendTimeout("no answer")
+
+    leader = _in_thread(lambda: reads.read("k", Deadline(30), slow))
+    assert in_flight.wait(10)
+    group = [_in_thread(lambda: reads.read("k", Deadline(30), failing)) for _ in range(5)]
+    assert _until(lambda: reads.waiting("k") == 5, 10)
+    gate.set()
+    assert leader.result(10) == 0
+    errors = [g.exception(10) for g in group]
+    assert all(isinstance(e, BackendTimeout) for e in errors) and len({id(e) for e in errors}) == 5
+
+
+def test_v3_concurrent_reads_see_every_write_that_completed_before_them(
+    etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """40 threads on one backend each write the shared key, then ``get`` and ``list`` it: the answers,
+    possibly shared with other threads, are never older than the thread's own write."""
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    stale: list[str] = []
+
+    def worker(i: int) -> None:
+        for n in range(5):
+            written = kv.put("fresh/k", f"{i}.{n}".encode())
+            got = kv.get("fresh/k")
+            entries, revision = kv.list("fresh/")
+            if got is None or got.revision < written.revision or revision < written.revision:
+                stale.append(f"thread {i}: wrote at {written.revision}, read {got} / list at {revision}")
+            if not entries or entries[0].revision < written.revision:
+                stale.append(f"thread {i}: wrote at {written.revision}, listed {entries}")
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(40)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads) and not stale, stale[:5]
+
+
+def _in_thread(call: Callable[[], object]) -> "concurrent.futures.Future[object]":
+    """Run ``call`` on a new daemon thread; its outcome as a future."""
+    future: concurrent.futures.Future[object] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:  # the test judges it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future

@@ -1,0 +1,239 @@
+"""The multiplexed etcd v3 watch stream of :mod:`rdzv_backends.etcd_v3`.
+
+One bidirectional gRPC ``Watch`` stream per endpoint carries the watches of every
+caller of one backend (see :class:`_WatchStream`); this module holds the stream,
+its per-call subscribers and the decoding of watch events into the KV protocol's
+:class:`~rdzv_core.kv.Event`.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from rdzv_core.errors import HistoryCompacted, InvalidKeyError, KVError
+from rdzv_core.kv import Event, EventType, check_key
+
+if TYPE_CHECKING:
+    from .etcd_v3 import EtcdV3Backend, _Endpoint
+
+
+class _StreamError(Exception):
+    """A failed watch stream as one waiting call sees it; read like ``grpc.RpcError`` by ``EtcdV3Backend._call``."""
+
+    def __init__(self, code: Any, details: str) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+
+    def code(self) -> Any:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class _Subscriber:
+    """One waiting ``watch`` call, woken by the dispatcher with its events or an error."""
+
+    __slots__ = ("watch", "woken", "events", "error")
+
+    def __init__(self, watch: _ServerWatch) -> None:
+        self.watch = watch
+        self.woken = threading.Event()
+        self.events: list[Event] = []
+        self.error: BaseException | None = None
+
+
+class _ServerWatch:
+    """One watch on the server (one ``WatchCreateRequest``); every call of its range and revision shares it."""
+
+    __slots__ = ("key", "watch_id", "subscribers", "done")
+
+    def __init__(self, key: tuple[bytes, bytes, int]) -> None:
+        self.key = key  # (start, end, after_revision)
+        self.watch_id: int | None = None  # known once etcd answered ``created``
+        self.subscribers: set[_Subscriber] = set()
+        self.done = False  # delivered, failed or given up: it takes no new subscribers
+
+
+class _WatchStream:
+    """ONE bidirectional gRPC ``Watch`` stream on an endpoint, carrying the watches of all its callers.
+
+    etcd multiplexes watches on a stream (``api/etcdserverpb/rpc.proto``,
+    ``Watch``): each ``WatchCreateRequest`` is answered by a ``created``
+    response carrying the new watch's ID, in request order -- pending creates
+    are matched first in, first out; events and cancellations carry the ID;
+    ``WatchCancelRequest`` ends a watch. Calls of one key range and one
+    ``after_revision`` share one server watch while it has delivered nothing,
+    so a thousand agents waiting on the same state cost etcd one watch. A
+    daemon thread per stream reads the responses and wakes the callers
+    (:class:`_Subscriber`); a watch nobody waits on any more is cancelled on
+    the server. When the stream fails (server lost, connection reset, channel
+    closed) every caller on it is woken with a :class:`_StreamError` and
+    retries as any RPC does, on a new stream (``EtcdV3Backend._call``). State
+    is guarded by ``lock``.
+
+    Args:
+        backend: the owner (for its gRPC modules).
+        ep: the endpoint whose channel carries the stream.
+        metadata: gRPC metadata (the auth token) the stream is opened with.
+    """
+
+    def __init__(self, backend: EtcdV3Backend, ep: _Endpoint, metadata: Any) -> None:
+        self._rpc = backend._rpc
+        self._grpc = backend._grpc
+        self.ep = ep
+        self.metadata = metadata
+        self.lock = threading.Lock()
+        self.failure: _StreamError | None = None  # set once the stream ended
+        self.retired = False  # takes no new watches; ended once idle
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()  # None ends the request stream
+        self._pending: collections.deque[_ServerWatch] = collections.deque()  # creates not yet answered
+        self._active: dict[int, _ServerWatch] = {}  # watch ID -> watch
+        self._shared: dict[tuple[bytes, bytes, int], _ServerWatch] = {}  # watches that take subscribers
+        self._call = ep.watch.Watch(iter(self._requests.get, None), metadata=metadata)
+        threading.Thread(target=self._dispatch, name=f"rdzv-etcd-watch {ep.target}", daemon=True).start()
+
+    # -- the callers' side (any thread) ------------------------------------------------------
+    def subscribe(self, start: bytes, end: bytes, after: int) -> _Subscriber | None:
+        """Wait for the events after revision ``after`` in ``[start, end)``; ``None`` if the stream takes no more."""
+        key = (start, end, after)
+        with self.lock:
+            if self.failure is not None or self.retired:
+                return None
+            watch = self._shared.get(key)
+            if watch is None:
+                watch = self._shared[key] = _ServerWatch(key)
+                self._pending.append(watch)  # in the order of the requests: etcd answers creates in order
+                create = self._rpc.WatchCreateRequest(key=start, range_end=end, start_revision=after + 1)
+                self._requests.put(self._rpc.WatchRequest(create_request=create))
+            sub = _Subscriber(watch)
+            watch.subscribers.add(sub)
+            return sub
+
+    def unsubscribe(self, sub: _Subscriber) -> None:
+        """``sub``'s call returns: cancel its server watch if no other call waits on it."""
+        with self.lock:
+            watch = sub.watch
+            watch.subscribers.discard(sub)
+            if not watch.subscribers and not watch.done:
+                self._give_up(watch)
+            self._end_if_idle()
+
+    def retire(self) -> None:
+        """Take no new watches; end the stream once its last watch is over."""
+        with self.lock:
+            self.retired = True
+            self._end_if_idle()
+
+    # -- the dispatcher's side ----------------------------------------------------------------
+    def _dispatch(self) -> None:
+        grpc = self._grpc
+        try:
+            for answer in self._call:
+                with self.lock:
+                    self._route(answer)
+            failure = _StreamError(grpc.StatusCode.UNAVAILABLE, f"etcd at {self.ep.target} ended the watch stream")
+        except grpc.RpcError as exc:
+            failure = _StreamError(exc.code(), exc.details() or "")
+        except Exception as exc:  # noqa: BLE001 -- ends the stream; its callers must be woken, not left hanging
+            failure = _StreamError(grpc.StatusCode.UNKNOWN, f"watch stream failed: {exc!r}")
+        with self.lock:
+            self.failure = failure
+            watches = [*self._pending, *self._active.values(), *self._shared.values()]
+            self._pending.clear()
+            self._active.clear()
+            self._shared.clear()
+            for watch in watches:
+                self._wake(watch, lambda: _StreamError(failure.code(), failure.details()))
+        self._requests.put(None)  # ends gRPC's request thread
+        self._call.cancel()
+
+    def _route(self, answer: Any) -> None:
+        """Hand one ``WatchResponse`` to the calls it concerns (``lock`` held)."""
+        if answer.created:
+            if not self._pending:
+                return  # not ours: every create we send is pending until answered
+            watch = self._pending.popleft()
+            if answer.canceled or answer.compact_revision:  # refused at once (no watch on the server)
+                self._wake(watch, self._refusal(answer, watch))
+                return
+            watch.watch_id = int(answer.watch_id)
+            if watch.done:  # every caller gave up before the answer
+                self._cancel(watch.watch_id)
+            else:
+                self._active[watch.watch_id] = watch
+            return
+        found = self._active.get(int(answer.watch_id))
+        if found is None:
+            return  # a watch we cancelled, or a progress notification
+        if answer.canceled or answer.compact_revision:
+            del self._active[int(answer.watch_id)]
+            self._wake(found, self._refusal(answer, found))
+            return
+        after = found.key[2]
+        events = [e for ev in answer.events if ev.kv.mod_revision > after and (e := _event(ev)) is not None]
+        if events:
+            for sub in found.subscribers:
+                sub.events = list(events)
+            self._give_up(found)
+            self._wake(found, None)
+
+    def _refusal(self, answer: Any, watch: _ServerWatch) -> Callable[[], BaseException]:
+        """The error for a watch etcd cancelled (a new one per caller, as each raises its own)."""
+        prefix = watch.key[0].decode("utf-8", "replace")[1:]
+        if answer.compact_revision:
+            return lambda: HistoryCompacted(
+                f"etcd compacted its history up to revision {answer.compact_revision}; events after "
+                f"{watch.key[2]} are gone: re-read and watch from the revision read", prefix,
+            )
+        reason = answer.cancel_reason
+        if "auth token" in reason or "Unauthenticated" in reason:
+            self.retired = True  # a new stream carries the renewed token
+            return lambda: _StreamError(self._grpc.StatusCode.UNAUTHENTICATED, reason)
+        return lambda: KVError(f"etcd at {self.ep.target} cancelled the watch of {prefix!r}: {reason}")
+
+    # -- helpers (``lock`` held) -------------------------------------------------------------
+    def _wake(self, watch: _ServerWatch, error: Callable[[], BaseException] | None) -> None:
+        watch.done = True
+        if self._shared.get(watch.key) is watch:
+            del self._shared[watch.key]
+        for sub in watch.subscribers:
+            if error is not None:
+                sub.error = error()
+            sub.woken.set()
+
+    def _give_up(self, watch: _ServerWatch) -> None:
+        """No call waits for (more of) ``watch``: cancel it on the server (once created)."""
+        watch.done = True
+        if self._shared.get(watch.key) is watch:
+            del self._shared[watch.key]
+        if watch.watch_id is not None and self._active.pop(watch.watch_id, None) is not None:
+            self._cancel(watch.watch_id)
+
+    def _cancel(self, watch_id: int) -> None:
+        if self.failure is None:
+            self._requests.put(self._rpc.WatchRequest(cancel_request=self._rpc.WatchCancelRequest(watch_id=watch_id)))
+
+    def _end_if_idle(self) -> None:
+        if self.retired and self.failure is None and not self._active and not self._pending:
+            self._call.cancel()  # the dispatcher sees CANCELLED and ends the stream
+
+def _key(raw: bytes) -> str | None:
+    """Our key for a v3 key (``b"/a/b"`` -> ``"a/b"``); ``None`` for keys another program wrote
+    that no key of ours can be (not UTF-8, or outside the key grammar)."""
+    try:
+        return check_key(bytes(raw).decode("utf-8")[1:])
+    except (UnicodeDecodeError, InvalidKeyError):
+        return None
+
+def _event(ev: Any) -> Event | None:
+    key = _key(ev.kv.key)
+    if key is None:
+        return None
+    if ev.type == 1:  # mvccpb.Event.DELETE
+        return Event(EventType.DELETE, key, int(ev.kv.mod_revision))
+    return Event(EventType.PUT, key, int(ev.kv.mod_revision), bytes(ev.kv.value))
