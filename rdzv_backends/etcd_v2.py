@@ -642,6 +642,16 @@ class EtcdV2Backend(KVBackend):
                 entries.append(_entry(key, node))
         return sorted(entries, key=lambda e: e.key), answer.etcd_index
 
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        """The node's ``ttl``: the server's remaining whole seconds (rounded up)."""
+        node = self._read_node(key, self._deadline())
+        if node is None:
+            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+        if node.get("dir"):
+            raise _dir_error(key)
+        ttl = node.get("ttl")
+        return None if ttl is None else float(max(0, int(ttl)))
+
     # -- writes ------------------------------------------------------------------
     def _write(self, key: str, params: dict[str, str], deadline: Deadline, tries: Tries | None = None) -> _Answer:
         answer = self._call("PUT", _node_path(key), params, deadline, tries)

@@ -474,6 +474,21 @@ class EtcdV3Backend(KVBackend):
         kv = self._reads.read(("get", key), deadline, lambda: self._get_kv(key, deadline))
         return None if kv is None else Entry(key, bytes(kv.value), int(kv.mod_revision))
 
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        """The remaining TTL of the key's lease (``LeaseTimeToLive``, whole seconds)."""
+        deadline = self._deadline()
+        kv = self._get_kv(key, deadline)
+        if kv is None:
+            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+        if not kv.lease:
+            return None
+        request = self._rpc.LeaseTimeToLiveRequest(ID=int(kv.lease))
+        answer = self._call(lambda ep, t, md: ep.lease.LeaseTimeToLive(request, timeout=t, metadata=md), deadline,
+                            what="lease time-to-live")
+        if int(answer.TTL) < 0:  # the lease ran out since the read
+            raise KeyNotFound(f"key {key!r} not found (expired)", key)
+        return float(answer.TTL)
+
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
         start, end = _prefix_range(prefix)
         request = self._range(start, end)
