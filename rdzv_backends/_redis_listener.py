@@ -6,7 +6,8 @@ files, namespace, ``operation_timeout``), shared and reference-counted by the
 backend opens, ``release`` when it closes). It runs one thread with a connection of its own,
 subscribed to ``NS#w:PREFIX`` for each watched prefix (a :class:`_Channel`) and to ``NS#t``;
 each message wakes the :class:`_Waiter` objects (one per blocked ``watch`` call) of its channel
-whose revision it passes, and the thread sweeps due TTL expiries (the ``sweep`` script of
+whose revision it passes, handing them the event it carries (if it does), and the thread sweeps
+due TTL expiries (the ``sweep`` script of
 :mod:`rdzv_backends._redis_lua`) while any watch waits. ``RedisBackend._do_watch`` drives it:
 ``begin`` before its first poll, ``add`` after it, ``covers``/``take_hint`` to decide where to
 poll, ``remove`` when done. The protocol (why no event is missed, when the log is not rescanned)
@@ -27,7 +28,16 @@ import time
 from typing import TYPE_CHECKING, Any, cast
 
 from rdzv_backends._redis_lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
-from rdzv_core.errors import BackendClosed, BackendConnectionError, BackendTimeout, CorruptEntry, KVError, RdzvError
+from rdzv_core.errors import (
+    BackendClosed,
+    BackendConnectionError,
+    BackendTimeout,
+    CorruptEntry,
+    InvalidKeyError,
+    KVError,
+    RdzvError,
+)
+from rdzv_core.kv import Event, EventType, check_key
 
 if TYPE_CHECKING:
     from rdzv_backends.redis_backend import RedisBackend
@@ -43,13 +53,16 @@ _HEARD = 64
 class _Waiter:
     """One watch call of ``owner``, waiting for an event under a prefix after ``after`` (set by the listener)."""
 
-    __slots__ = ("owner", "channel", "after", "hint", "wake", "error")
+    __slots__ = ("owner", "channel", "after", "hint", "heard", "wake", "error")
 
     def __init__(self, owner: RedisBackend, channel: _Channel, after: int) -> None:
         self.owner = owner
         self.channel = channel
         self.after = after
         self.hint: int | None = None  # the least revision > after heard since the watch last took it (0: unknown)
+        # The events those messages carried (with their history's first revision), in order; None
+        # when one carried only its revision.
+        self.heard: list[tuple[int, Event]] | None = []
         self.wake = threading.Event()
         self.error: RdzvError | None = None
 
@@ -198,7 +211,10 @@ class _Notifier:
                     raise BackendTimeout(f"redis at {self._errmap.host}:{self._errmap.port} did not confirm a "
                                          f"subscription within operation_timeout={limit}s", prefix)
             if channel.confirmed_at is None or channel.confirmed_at >= polled_at or channel.last_rev > after:
-                waiter.wake.set()  # it may have missed an event: poll again
+                # It may have missed an event: poll again, from `after` (hint 0: a message heard
+                # before this waiter existed lies between `after` and any later hint).
+                waiter.hint = 0
+                waiter.wake.set()
         if waiter.error is not None or owner._closed:
             self.remove(waiter)
             if owner._closed:
@@ -266,11 +282,14 @@ class _Notifier:
             self._start_locked()  # the thread sweeps while someone waits
         return waiter
 
-    def take_hint(self, waiter: _Waiter) -> int | None:
-        """The least revision above ``waiter.after`` heard on its channel since the last call, if any."""
+    def take_hint(self, waiter: _Waiter) -> tuple[int | None, list[tuple[int, Event]] | None]:
+        """The least revision above ``waiter.after`` heard on its channel since the last call, if
+        any, and the events heard since with their history's first revision (in order; ``None`` if
+        a message carried only a revision)."""
         with self._lock:
             hint, waiter.hint = waiter.hint, None
-        return hint
+            heard, waiter.heard = waiter.heard, []
+        return hint, heard
 
     def remove(self, waiter: _Waiter) -> None:
         """Unregister ``waiter`` (idempotent)."""
@@ -445,10 +464,10 @@ class _Notifier:
             with self._lock:
                 self._need_sweep = time.monotonic()
         elif kind == b"message":
-            try:
-                rev = hint = int(message[2])
-            except ValueError:  # not ours: wake everyone (with no hint); they poll and find what is real
-                rev, hint = _INT64[1], 0
+            rev, event = _parse_event(message[2], name[len(self._watch):])
+            hint = rev
+            if rev == 0:  # not ours: wake everyone (with no hint); they poll and find what is real
+                rev = _INT64[1]
             with self._lock:
                 channel = self._channels.get(name)
                 if channel is not None:
@@ -458,6 +477,11 @@ class _Notifier:
                     for waiter in channel.waiters:
                         if rev > waiter.after:
                             waiter.hint = hint if waiter.hint is None else min(waiter.hint, hint)
+                            if waiter.heard is not None:
+                                if event is None:
+                                    waiter.heard = None
+                                else:
+                                    waiter.heard.append(event)
                             waiter.wake.set()
         elif kind == b"subscribe":
             with self._lock:
@@ -484,6 +508,30 @@ class _Notifier:
                     waiter.wake.set()
             self._thread = None
             self._forget_locked()
+
+
+def _parse_event(data: bytes, prefix: bytes) -> tuple[int, tuple[int, Event] | None]:
+    """A watch channel's message (see the ``notify`` function of :mod:`rdzv_backends._redis_lua`):
+    ``(revision, (the first revision of its history, the event))``, or ``(revision, None)`` if it
+    carries only the revision; ``(0, None)`` for one the scripts did not publish (or not about a
+    key under ``prefix``)."""
+    parts = data.split(b" ", 4)
+    if not parts[0].isdigit():
+        return 0, None
+    rev = int(parts[0])
+    if len(parts) == 1:
+        return rev, None
+    try:
+        key = check_key(parts[3].decode("ascii")) if len(parts) >= 4 and parts[3].startswith(prefix) else None
+    except (InvalidKeyError, UnicodeDecodeError):
+        key = None
+    if key is None or not parts[1].isdigit():
+        return 0, None
+    if parts[2] == b"p" and len(parts) == 5:
+        return rev, (int(parts[1]), Event(EventType.PUT, key, rev, parts[4]))
+    if parts[2] == b"d" and len(parts) == 4:
+        return rev, (int(parts[1]), Event(EventType.DELETE, key, rev))
+    return 0, None
 
 
 def _before(moment: float | None, then: float) -> bool:

@@ -16,11 +16,12 @@ HISTORY_LIMIT = 10_000
 #: The range of Redis integers (``INCRBY``, hence ``add``): 64-bit signed.
 _INT64 = (-(2**63), 2**63 - 1)
 
-# KEYS: 1 #rev, 2 #log, 3 #keys, 4 #ttl, 5 #epoch, [6 data hash of the key | #add]
+# KEYS: 1 #rev, 2 #log, 3 #keys, 4 #ttl, 5 #epoch, 6 #last, [7 data hash of the key | #add]
 # ARGV: 1 namespace ("rdzv:" / "rdzv:NAME:"), 2 log cap, 3.. per script.
 _PRELUDE = r"""
-local REV, LOG, IDX, TTL, EPOCH = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local REV, LOG, IDX, TTL, EPOCH, LAST = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local NS, MAXLEN = ARGV[1], ARGV[2]
+local LAST_LIMIT = 1024  -- members of #last beyond which each write prunes those the log no longer holds
 local DATA, WATCH, DUE = NS .. 'k/', NS .. '#w:', NS .. '#t'
 local clock = redis.call('TIME')
 local NOW_US = tonumber(clock[1]) * 1000000 + tonumber(clock[2])
@@ -64,20 +65,57 @@ end
 local itype = redis.call('TYPE', IDX)['ok']
 if itype ~= 'zset' and itype ~= 'none' then broken(IDX, 'is a ' .. itype .. ', not a sorted set') end
 
--- Wake the watchers of every prefix of `key` ('' included): channel NS#w:PREFIX, message REV.
-local function notify(key, rev)
-  redis.call('PUBLISH', WATCH, rev)
+-- Wake the watchers of every prefix of `key` ('' included): channel NS#w:PREFIX, message the
+-- event with the first revision of this history ('REV EPOCH d KEY', 'REV EPOCH p KEY VALUE'), or
+-- only 'REV' (a value over INLINE bytes, an #epoch that is not ours); and record REV as the
+-- prefix's latest event in #last (member PREFIX, score REV).
+local INLINE = 4096
+local function notify(key, rev, kind, value)
+  local epoch = redis.pcall('GET', EPOCH)
+  local msg = rev
+  if type(epoch) ~= 'string' or not string.match(epoch, '^%d+$') then
+    msg = rev
+  elseif kind == 'd' then
+    msg = rev .. ' ' .. epoch .. ' d ' .. key
+  elseif #value <= INLINE then
+    msg = rev .. ' ' .. epoch .. ' p ' .. key .. ' ' .. value
+  end
+  redis.call('PUBLISH', WATCH, msg)
+  redis.call('ZADD', LAST, rev, '')
   local i = string.find(key, '/', 1, true)
   while i do
-    redis.call('PUBLISH', WATCH .. string.sub(key, 1, i), rev)
+    local prefix = string.sub(key, 1, i)
+    redis.call('PUBLISH', WATCH .. prefix, msg)
+    redis.call('ZADD', LAST, rev, prefix)
     i = string.find(key, '/', i + 1, true)
   end
+end
+
+-- #last holds, for every prefix with an event after the score of its member '#' (no prefix holds
+-- a '#'), the revision of its latest event: a watch learns without reading the log whether its
+-- prefix changed. A #last without '#' starts now (covering the events after `prev`).
+local function last_begins(prev)
+  local from = redis.pcall('ZSCORE', LAST, '#')
+  if type(from) == 'table' then broken(LAST, 'is not a sorted set') end
+  if not from then redis.call('ZADD', LAST, string.format('%d', prev), '#') end
+end
+
+-- Forget the prefixes whose latest event the log no longer holds (the '#' moves up past them),
+-- once there are more than LAST_LIMIT: watches from before the log's start scan it anyway.
+local function last_prune()
+  if redis.call('ZCARD', LAST) <= LAST_LIMIT then return end
+  local first = redis.call('XRANGE', LOG, '-', '+', 'COUNT', 1)[1]
+  local floor = first and string.match(tostring(first[2][6]), '^%d+$')
+  if not floor then return end
+  redis.call('ZREMRANGEBYSCORE', LAST, '-inf', floor)
+  redis.call('ZADD', LAST, 'GT', floor, '#')
 end
 
 -- The next revision: one more than the last, and never behind the server's clock (us).
 -- The event goes to the log under it (stream ID REV-0) with p = the revision before it.
 local function emit(kind, key, value)
   local prev = last_revision()
+  last_begins(prev)
   local rev = string.format('%d', math.max(prev + 1, NOW_US))
   local id, p = rev .. '-0', string.format('%d', prev)
   local added
@@ -89,7 +127,8 @@ local function emit(kind, key, value)
   if type(added) == 'table' then broken(LOG, 'does not take the next event: ' .. tostring(added.err)) end
   redis.call('SET', REV, rev)
   if prev == 0 then redis.call('SET', EPOCH, rev) end
-  notify(key, rev)
+  notify(key, rev, kind, value)
+  last_prune()
   return rev
 end
 
@@ -215,7 +254,7 @@ expire_at(key, ARGV[4])
 return 1
 """
 
-# KEYS 6 scratch. ARGV 3 key, 4 delta. -> {0} not an integer | {1, err} out of range | {2, sum}
+# KEYS 7 scratch. ARGV 3 key, 4 delta. -> {0} not an integer | {1, err} out of range | {2, sum}
 # The stored value must be ASCII decimal, -?[0-9]{1,30} (rdzv_core.kv.parse_counter); the sum is
 # computed by INCRBY, so it is exact and must stay within 64 bits.
 _ADD = r"""
@@ -228,7 +267,7 @@ if raw then
   digits = string.gsub(digits, '^0+', '')
   if digits == '' then base = '0' else base = sign .. digits end
 end
-local scratch = KEYS[6]
+local scratch = KEYS[7]
 redis.call('SET', scratch, base)
 local res = redis.pcall('INCRBY', scratch, ARGV[4])
 local sum = redis.call('GET', scratch)
@@ -269,7 +308,18 @@ local last_rev = last_revision()
 local epoch = counter(EPOCH)
 if after > last_rev then return {-1, 'ahead', string.format('%d', last_rev)} end
 if after > 0 and after < epoch - 1 then return {-1, 'before', string.format('%d', epoch)} end
-local entries = redis.pcall('XRANGE', LOG, string.format('%d-0', start + 1), '+', 'COUNT', tonumber(ARGV[5]))
+local prefix = ARGV[4]
+-- #last knows the prefix's latest event after its '#': none after `start` needs no scan,
+-- and a scan can stop at the latest.
+local known = redis.pcall('ZMSCORE', LAST, prefix, '#')
+if known.err then broken(LAST, 'is not a sorted set') end
+local latest, from = tonumber(known[1]), tonumber(known[2])
+local upto = '+'
+if from and start >= from then
+  if not latest or latest <= start then return {string.format('%d', last_rev), 0, next_deadline(), {}} end
+  upto = string.format('%d-0', latest)
+end
+local entries = redis.pcall('XRANGE', LOG, string.format('%d-0', start + 1), upto, 'COUNT', tonumber(ARGV[5]))
 if entries.err then broken(LOG, 'is not a stream') end
 -- Only entries emit() wrote: ID REV-0, fields t p|d, k KEY, p REV[, v VALUE] (the key is checked
 -- where it is returned; a watch scans thousands of entries, so the rest is kept cheap).
@@ -288,7 +338,6 @@ if entries[1] then
 elseif last_rev > start then
   return {-1, 'trimmed', string.format('%d', last_rev)}
 end
-local prefix = ARGV[4]
 local out = {}
 local last = string.format('%d', start)
 for _, e in ipairs(entries) do
@@ -299,6 +348,8 @@ for _, e in ipairs(entries) do
     out[#out + 1] = {rev, f[2], f[4], f[8]}
   end
 end
+-- Read up to the prefix's latest event: nothing under it follows, up to the last revision.
+if upto ~= '+' and tonumber(last) >= latest then last = string.format('%d', last_rev) end
 return {last, #entries, next_deadline(), out}
 """
 

@@ -16,7 +16,11 @@ turned off, so nothing multiplies it. ``max_connections`` (default 1,024,
 :data:`DEFAULT_MAX_CONNECTIONS`) caps the pool of one backend object: a call
 holds a connection for its round trip only and waiting watches hold none, so
 one object serves as many threads as a process runs; more calls at once queue
-for a free connection (redis-py's ``BlockingConnectionPool``) rather than fail.
+for a free connection rather than fail. The pool is this module's own (idle
+connections last-in first-out, no lock on the usual path; a connection the
+server closed while idle is replaced before use), and calls go to redis-py's
+connections directly, not through its client: with 512 threads in a process,
+the client's per-call work (a queue, metrics, checks) tripled the CPU of a call.
 
 Layout. Every key of one backend lives under the *namespace* ``rdzv:``, or
 ``rdzv:NAME:`` with ``NAME`` percent-escaped (``urllib.parse.quote(NAME, safe="")``,
@@ -29,8 +33,10 @@ store keys only ever follow the ``k/`` marker)::
     NS#keys         zset     every live (or not yet recorded as expired) key, score 0 (lex order)
     NS#ttl          zset     key -> its deadline, server clock in ms (the key's PEXPIREAT)
     NS#add          string   scratch for exact 64-bit arithmetic in ``add``
+    NS#last         zset     PREFIX -> the revision of its latest event; member '#' -> since when it knows
     NSk/KEY         hash     v=VALUE, r=REVISION; PEXPIREAT when it has a TTL
-    NS#w:PREFIX     channel  each event's revision, published for every prefix of its key ("" too)
+    NS#w:PREFIX     channel  each event ("REV EPOCH p|d KEY[ VALUE]", or "REV" for a value over
+                             4 KiB), published for every prefix of its key ("" too)
     NS#t            channel  a write made its key's TTL deadline the earliest one
 
 Every operation that writes is ONE Lua script (registered once with
@@ -66,15 +72,26 @@ counts every expiry it hides.
 
 Watch. ``watch`` runs a *poll* script (sweep, check history, return the
 matching events after the caller's revision); when nothing matches, it waits
-for its prefix's channel. The backend objects of one process that share
+for its prefix's channel. The poll reads the log only where its prefix has
+events: every write records, for each prefix of its key, its revision in
+``#last`` (pruned of prefixes whose events the log no longer holds once it has
+more than 1,024; its member ``#`` says from which revision on it is complete),
+so a poll from a revision at or after the prefix's latest event returns at once,
+and one before it reads the log up to that event only. (Without it, at 1,024
+agents every agent's watch of the round record read the round's 1,024 joins:
+O(N^2) work for the server per round.) The backend objects of one process that share
 server, database, user, TLS files, namespace and ``operation_timeout`` share
 one *listener*: a thread with one connection of its own, subscribed to
 ``NS#w:PREFIX`` for the prefixes being watched (channels unused for 30 s are
 dropped; the thread ends 30 s after its last watch, and with the last of those
 backends). A message wakes only the waiting watches of its prefix whose
-revision it passes, and each polls again. So an event costs one wake-up per
+revision it passes. So an event costs one wake-up per
 watch that wants it — not one per waiting watch, as a shared ``XREAD BLOCK`` on
-the log would — and waiting watches hold no connection.
+the log would — and waiting watches hold no connection. A woken watch whose
+subscription covered everything since its revision (below) returns the events
+the messages carried, without a poll, unless one carried only a revision, or
+the message names a history that began after the caller's revision (then the
+poll reports ``HistoryCompacted``); otherwise it polls again.
 
 No event is missed between a poll and the wait: a watch asks for its channel
 before its first poll and registers after it, and polls once more if the
@@ -85,9 +102,7 @@ sweep did, right after subscribing), every event under the prefix after R is
 announced. A watch from at least R then polls only from just before the first
 revision announced after its own, or not at all when none was (it waits; if it
 times out, a one-entry poll still checks that its revision belongs to the
-server's history, so lost data still gives ``HistoryCompacted``). Without this,
-every waiting agent's poll would read every join and keep-alive of the round:
-O(N^2) work for the server per round.
+server's history, so lost data still gives ``HistoryCompacted``).
 
 While any watch waits, the listener also sleeps until the next TTL deadline
 (the ``sweep`` script returns it relative to the server's clock; ``NS#t``
@@ -133,8 +148,8 @@ needed. An ACL user needs its keys, its channels and these commands::
 
     ACL SETUSER agent on >PASSWORD resetkeys ~rdzv:* resetchannels &rdzv:*
         -@all +ping +evalsha +script|load +hgetall +time +get +set +incrby +del +exists +type
-        +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zrange +zrangebylex +zrangebyscore +zcount
-        +xadd +xrange +xrevrange +publish +subscribe +unsubscribe
+        +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zmscore +zcard +zrange +zrangebylex +zrangebyscore
+        +zremrangebyscore +zcount +xadd +xrange +xrevrange +publish +subscribe +unsubscribe
 
 Code. The Lua scripts live in :mod:`rdzv_backends._redis_lua` and the listener (its thread,
 sharing and wake-ups) in :mod:`rdzv_backends._redis_listener`; this module holds the backend,
@@ -144,6 +159,7 @@ URL handling, the mapping of redis-py errors and the plugin registration.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import re
@@ -151,10 +167,11 @@ import shlex
 import ssl
 import time
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Iterator, Sequence, cast
+from typing import Any, Iterator, Sequence, cast
 
 from rdzv_backends._redis_listener import _copy_error, _Notifier, _Waiter
 from rdzv_backends._redis_lua import _INT64, _PRELUDE, _SCRIPTS, HISTORY_LIMIT
+from rdzv_backends._redis_pool import _Pool, _stale
 from rdzv_core.errors import (
     BackendClosed,
     BackendConnectionError,
@@ -172,9 +189,6 @@ from rdzv_core.errors import (
 from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_int, to_str
-
-if TYPE_CHECKING:
-    import redis
 
 __all__ = [
     "RedisBackend",
@@ -211,6 +225,7 @@ _AFTER_DELETE = {
     "#epoch": "nothing is lost without it",
     "#log": "without it, the event history is lost: watchers get HistoryCompacted and re-read",
     "#ttl": "without it, keys with a TTL expire in Redis alone, each recorded when a client next touches it",
+    "#last": "nothing is lost without it (watches read the log until the next write starts it again)",
 }
 #: Largest value accepted (bytes). The value is held twice (data + log), so 64 MiB, not Redis' 512 MiB.
 MAX_VALUE_BYTES = 64 * 1024 * 1024
@@ -430,7 +445,7 @@ class RedisBackend(KVBackend):
         ns = namespace_prefix(namespace)
         self.prefix = ns
         self._data = ns + "k/"
-        self._index_keys = [ns + "#rev", ns + "#log", ns + "#keys", ns + "#ttl", ns + "#epoch"]
+        self._index_keys = [ns + "#rev", ns + "#log", ns + "#keys", ns + "#ttl", ns + "#epoch", ns + "#last"]
         self._scratch = ns + "#add"
         #: How every connection is made: this backend's pool and its listener's (class, kwargs).
         connection_class = redis.SSLConnection if tls is not None else redis.Connection
@@ -453,18 +468,15 @@ class RedisBackend(KVBackend):
             driver_info=None,
             **(tls.connection_kwargs() if tls is not None else {}),
         ))
-        self._pool = redis.BlockingConnectionPool(max_connections=max_connections, timeout=operation_timeout,
-                                                  connection_class=self._connection_args[0],
-                                                  **self._connection_args[1])
-        self._client: redis.Redis = redis.Redis(connection_pool=self._pool)
-        self._scripts = {name: self._client.register_script(_PRELUDE + body) for name, body in _SCRIPTS.items()}
+        self._pool = _Pool(lambda: connection_class(**self._connection_args[1]), max_connections, operation_timeout)
+        self._scripts = {name: _Script(_PRELUDE + body) for name, body in _SCRIPTS.items()}
         self._notifier = _Notifier.of(self)
         try:
             with self._translate(None):
-                self._client.ping()
+                self._call("PING")
         except BaseException:
             self._notifier.release(self)
-            self._pool.disconnect()
+            self._pool.close()
             raise
         log.debug("opened %r", self)
 
@@ -488,25 +500,59 @@ class RedisBackend(KVBackend):
                 raise
             raise mapped from (None if isinstance(mapped, (InvalidURLError, CorruptEntry)) else exc)
 
+    def _call(self, *command: Any) -> Any:
+        """Send one command on a pooled connection and return the server's raw (RESP2) reply.
+
+        redis-py's errors propagate (callers translate them); a connection that failed other
+        than by an error reply is disconnected (it reconnects when next used)."""
+        conn = self._pool.acquire()
+        try:
+            sock = conn._sock  # redis-py keeps the socket there; None: not connected (yet, or any more)
+            if sock is not None and _stale(sock):
+                conn.disconnect()  # the server closed it (restart, idle timeout): send on a new one
+            conn.send_command(*command, check_health=False)
+            return conn.read_response()
+        except self._errors.ResponseError:
+            raise  # an error reply: the connection is in step
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._pool.release(conn)
+
     def _run(self, name: str, key: str | None, *args: Any, extra_key: str | None = None) -> Any:
         keys = self._index_keys + ([extra_key] if extra_key is not None else [])
+        script = self._scripts[name]
         with self._translate(key):
-            return self._scripts[name](keys=keys, args=[self.prefix, HISTORY_LIMIT, *args])
+            try:
+                return self._call("EVALSHA", script.sha, len(keys), *keys, self.prefix, HISTORY_LIMIT, *args)
+            except self._errors.NoScriptError:  # a new or restarted server: load it, once per server
+                self._call("SCRIPT", "LOAD", script.text)
+                return self._call("EVALSHA", script.sha, len(keys), *keys, self.prefix, HISTORY_LIMIT, *args)
 
     def _run_key(self, name: str, key: str, *args: Any) -> Any:
         return self._run(name, key, key, *args, extra_key=self._data + key)
 
     # -- the protocol --------------------------------------------------------------------------
+    def _do_ttl_remaining(self, key: str) -> float | None:
+        """``PTTL`` of the key's data hash (the server's clock, milliseconds)."""
+        with self._translate(key):
+            ms = int(cast(int, self._call("PTTL", self._data + key)))
+        if ms == -2:
+            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+        return None if ms < 0 else ms / 1000.0
+
     def _do_get(self, key: str) -> Entry | None:
         with self._translate(key):
             try:
-                fields = cast("dict[bytes, bytes]", self._client.hgetall(self._data + key))
+                flat = cast("list[bytes]", self._call("HGETALL", self._data + key))
             except self._errors.ResponseError as exc:
                 if "WRONGTYPE" not in str(exc):
                     raise
                 raise self._errmap.corrupt(f"CORRUPT KEY {key} is not a hash") from None
-        if not fields:
+        if not flat:
             return None
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
         value, rev = fields.get(b"v"), fields.get(b"r")
         if value is None or rev is None or not rev.isdigit():
             raise self._errmap.corrupt(f"CORRUPT KEY {key} is a hash without the fields v and r (a decimal revision)")
@@ -567,7 +613,15 @@ class RedisBackend(KVBackend):
                 if start is not None:
                     if waiter is not None:
                         waiter.wake.clear()  # from here on, a wake-up means: poll again
-                        hint = self._notifier.take_hint(waiter)
+                        hint, heard = self._notifier.take_hint(waiter)
+                        if woken and covered and hint and heard and not any(
+                                0 < after_revision < epoch - 1 for epoch, _ in heard):
+                            # Every event after `after` under the prefix was announced since the last
+                            # look, each with its key and value, in the history `after_revision` is
+                            # from (else the poll reports it lost): they are the answer.
+                            fresh = [event for _, event in heard if event.revision > after]
+                            if fresh:
+                                return fresh
                         if woken and covered and hint is not None:
                             start = max(after, hint - 1)  # nothing under the prefix lies between: skip it
                     woken = False
@@ -610,7 +664,18 @@ class RedisBackend(KVBackend):
 
     def _do_close(self) -> None:
         self._notifier.release(self)
-        self._pool.disconnect(inuse_connections=True)
+        self._pool.close()
+
+
+# -- connections -------------------------------------------------------------------------------
+class _Script:
+    """A Lua script's text and SHA-1 (what ``EVALSHA`` names it by)."""
+
+    __slots__ = ("text", "sha")
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.sha = hashlib.sha1(text.encode()).hexdigest()
 
 
 # -- helpers -----------------------------------------------------------------------------------

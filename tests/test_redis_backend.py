@@ -223,7 +223,8 @@ def test_all_redis_keys_stay_in_the_namespace(server: RedisServer, opened: Calla
     names = {k.decode() for k in raw(server, "KEYS", "*" + ns + "*")}
     assert names and all(n.startswith(f"rdzv:{ns}:") for n in names)
     assert {n for n in names if "k/" not in n} <= {f"rdzv:{ns}:#rev", f"rdzv:{ns}:#log", f"rdzv:{ns}:#keys",
-                                                     f"rdzv:{ns}:#ttl", f"rdzv:{ns}:#add", f"rdzv:{ns}:#epoch"}
+                                                     f"rdzv:{ns}:#ttl", f"rdzv:{ns}:#add", f"rdzv:{ns}:#epoch",
+                                                     f"rdzv:{ns}:#last"}
 
 
 def test_add_reads_decimal_values_like_parse_counter(server: RedisServer, opened: Callable[[str], KVBackend],
@@ -507,7 +508,9 @@ BOOK_PLANTS: dict[str, tuple[list[tuple[str, ...]], tuple[str, ...]]] = {
     "rev-too-big": ([("SET", "NS#rev", "9" * 40)], WRITES + ("list", "watch")),
     "epoch-not-decimal": ([("SET", "NS#epoch", "x")], ("watch",)),
     "log-string": ([("DEL", "NS#log"), ("SET", "NS#log", "x")], WRITES + ("watch",)),
-    "log-foreign-entry": ([("XADD", "NS#log", "*", "foo", "bar")], ("watch",)),
+    # (Without #last, as a log written before it existed: a watch reads the log to its end.)
+    "log-foreign-entry": ([("DEL", "NS#last"), ("XADD", "NS#log", "*", "foo", "bar")], ("watch",)),
+    "last-string": ([("DEL", "NS#last"), ("SET", "NS#last", "x")], WRITES + ("watch",)),
     "log-ahead": ([("XADD", "NS#log", "99999999999999999-0", "t", "p", "k", "a", "p", "0", "v", "x")], WRITES),
     "keys-string": ([("DEL", "NS#keys"), ("SET", "NS#keys", "x")], WRITES + ("list", "watch", "delete-absent")),
     "keys-stray-member": ([("ZADD", "NS#keys", "0", "not a key")], ("list",)),
@@ -660,6 +663,95 @@ def test_a_watch_on_an_announced_prefix_starts_where_its_events_are(server: Redi
         assert kv.watch("mine/", second.revision, 0.2) == []
     finally:
         writer.close()
+
+
+def test_a_first_watch_of_a_quiet_prefix_does_not_scan_the_log(server: RedisServer,
+                                                                fresh: tuple[KVBackend, str]) -> None:
+    """A watch of a prefix nobody watched yet, from before 2,000 events elsewhere, reads none of them:
+    the server knows each prefix's latest event (issue 6: at 1,024 agents, every agent's watch of the
+    round record read every join of the round)."""
+    kv, _ = fresh
+    writer = open_backend(server.url(namespace=kv.namespace))
+    try:
+        _, start = kv.list("")
+        for i in range(2000):
+            writer.put(f"other/k{i % 10}", b"x")
+        before = command_calls(server, "xrange")
+        assert kv.watch("mine/", start, 0.2) == []
+        assert command_calls(server, "xrange") - before == 0
+        entry = writer.put("mine/k", b"y")
+        for i in range(300):
+            writer.put(f"other/k{i % 10}", b"x")
+        assert kv.watch("mine/", start, 0) == [Event(PUT, "mine/k", entry.revision, b"y")]
+        before = command_calls(server, "xrange")
+        assert kv.watch("mine/", entry.revision, 0) == []  # nothing since, though 300 events came
+        assert command_calls(server, "xrange") - before == 0
+    finally:
+        writer.close()
+
+
+def test_woken_watches_return_exactly_the_events_the_messages_carry(server: RedisServer,
+                                                                   fresh: tuple[KVBackend, str]) -> None:
+    """Messages carry small events whole (binary values, spaces, empty), a large value only by its
+    revision (the watch polls for it), deletes and expiries: what waiting watches return is exact."""
+    kv, _ = fresh
+    writer = open_backend(server.url(namespace=kv.namespace))
+    try:
+        _, start = kv.list("")
+        assert kv.watch("w/", start, 0.3) == []  # subscribed; later watches are covered
+        writes: list[Callable[[], Event]] = [
+            lambda: _put_event(writer.put("w/a", b" two  spaces \n\x00\xff ")),
+            lambda: _put_event(writer.put("w/b/c", b"")),
+            lambda: _put_event(writer.put("w/big", b"x" * 5000)),
+            lambda: Event(DELETE, "w/a", _delete_revision(writer, "w/a")),
+            lambda: _put_event(writer.put("w/n", b"1", ttl=0.2)),
+        ]
+        after = start
+        for write in writes:
+            woke: list[list[Event]] = []
+            thread = threading.Thread(target=lambda a=after: woke.append(kv.watch("w/", a, PATIENCE * 3)))
+            thread.start()
+            expected = write()
+            thread.join(PATIENCE * 3)
+            assert woke and woke[0][0] == expected, (woke, expected)
+            after = woke[0][-1].revision
+        expired = watch_until(kv, "w/", after, lambda seen: any(e.type is DELETE for e in seen))
+        assert [(e.type, e.key) for e in expired] == [(DELETE, "w/n")]
+    finally:
+        writer.close()
+
+
+def _put_event(entry: Any) -> Event:
+    return Event(PUT, entry.key, entry.revision, entry.value)
+
+
+def _delete_revision(kv: KVBackend, key: str) -> int:
+    """Delete ``key`` (nothing else writes meanwhile) and return the revision of that delete."""
+    assert kv.delete(key)
+    return kv.list("")[1]
+
+
+def test_many_prefixes_are_pruned_from_the_index_and_watches_stay_exact(server: RedisServer,
+                                                                        fresh: tuple[KVBackend, str]) -> None:
+    """Beyond 1,024 prefixes the index forgets those whose events the log no longer holds; watches
+    from any revision still return exactly the events under their prefix."""
+    kv, ns = fresh
+    _, start = kv.list("")
+    first = kv.put("p0/k", b"0")
+    for i in range(1, 1100):
+        kv.put(f"p{i}/k", b"x")
+    assert int(raw(server, "ZCARD", ns + "#last")) > 1024  # nothing trimmed: nothing to forget
+    last = kv.put("p0/k", b"1")
+    assert kv.watch("p0/", start, 0) == [Event(PUT, "p0/k", first.revision, b"0")]  # (a first batch)
+    assert kv.watch("p0/", first.revision, 0) == [Event(PUT, "p0/k", last.revision, b"1")]
+    assert kv.watch("p5/", last.revision, 0) == []
+    raw(server, "XTRIM", ns + "#log", "MAXLEN", "100")  # as the log cap does, then one more write prunes
+    kv.put("p1099/k", b"x")
+    assert int(raw(server, "ZCARD", ns + "#last")) <= 110
+    assert kv.watch("p0/", last.revision, 0) == []
+    with pytest.raises(HistoryCompacted):
+        kv.watch("p0/", start, 0)
+    assert [e.key for e in kv.watch("p1099/", last.revision, 0)] == ["p1099/k"]
 
 
 def test_many_waiting_watches_share_a_small_pool(server: RedisServer, opened: Callable[[str], KVBackend]) -> None:
@@ -1040,8 +1132,9 @@ def test_no_plain_text_fallback(tls_server: RedisTLSServer, server: RedisServer)
 
 # -- ACL users -----------------------------------------------------------------------------------
 ACL_RULES = ("resetkeys ~rdzv:* resetchannels &rdzv:* -@all +ping +evalsha +script|load +hgetall +time +get +set "
-             "+incrby +del +exists +type +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zrange +zrangebylex "
-             "+zrangebyscore +zcount +xadd +xrange +xrevrange +publish +subscribe +unsubscribe").split()
+             "+incrby +del +exists +type +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zmscore +zcard +zrange "
+             "+zrangebylex +zrangebyscore +zremrangebyscore +zcount +xadd +xrange +xrevrange +publish +subscribe "
+             "+unsubscribe").split()
 
 
 def test_acl_user_with_the_documented_rules(server: RedisServer, opened: Callable[[str], KVBackend],
