@@ -42,14 +42,17 @@ __all__ = ["KeepAlive", "REFRESH_WORKERS", "STOP_WAIT"]
 
 log = logging.getLogger(__name__)
 
-#: Most refreshes run at once per process (threads of the refresh pool). Refreshes are
-#: I/O-bound and take milliseconds, so at steady state the pool holds about as many threads
-#: as refreshes overlap (``ThreadPoolExecutor`` starts a thread only when none is idle);
-#: the cap matters when refreshes block: up to this many keys may sit in a refresh against
-#: a silent server (each for up to its backend's ``operation_timeout``) before refreshes of
-#: keys on healthy backends queue behind them. 32 is ``ThreadPoolExecutor``'s own ceiling
-#: for I/O-bound work.
-REFRESH_WORKERS = 32
+#: Most refreshes run at once per process (threads of the refresh pool; ``ThreadPoolExecutor``
+#: starts one only when none is idle, so keys that fall due together -- a round's members
+#: confirm together -- grow the pool to about as many threads as refreshes overlap: a few
+#: dozen for 200 keys on a fast backend). The pool must sustain ``keys / (ttl / 3)`` refreshes
+#: per second at the backend's latency *under load*: 512 keys of one process on an etcd v2
+#: server busy with a 1,024-agent round (``benchmarks.run --steady``) let 217 keys lapse while
+#: the round formed with a cap of 32, one with 256 (the pool sat at its cap), none with 1,024
+#: -- as many refreshes in flight as the thread per key this pool replaced. The cap also
+#: bounds the threads held by refreshes blocked on a silent server (each up to its backend's
+#: ``operation_timeout``); refreshes of other keys queue only beyond it.
+REFRESH_WORKERS = 1024
 #: Seconds :meth:`KeepAlive.stop` waits for an in-flight refresh of its key to return.
 STOP_WAIT = 5.0
 #: Thread-name prefix of the scheduler and refresh threads (``benchmarks.counting`` counts

@@ -73,8 +73,8 @@ def test_two_hundred_keys_are_all_refreshed_before_they_lapse(memory: KVBackend,
     after = memory.list(prefix)[1]
     keepalives = _start(memory, keys, TTL)
     try:
-        threads = [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
         deleted = _deletes(memory, prefix, after, until=time.monotonic() + 4 * TTL)
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]  # after 4 TTLs
         present = {e.key for e in memory.list(prefix)[0]}
     finally:
         for ka in keepalives:
@@ -82,7 +82,8 @@ def test_two_hundred_keys_are_all_refreshed_before_they_lapse(memory: KVBackend,
     assert not deleted, f"{len(deleted)} keys expired, e.g. {deleted[:3]}"
     assert present == set(keys)
     assert not any(ka.lapsed.is_set() or ka.recreated for ka in keepalives)
-    assert len(threads) <= REFRESH_WORKERS + 1, f"{len(threads)} keep-alive threads for 200 keys"
+    # not a thread per key: microsecond refreshes overlap little (the pool may reach REFRESH_WORKERS under load)
+    assert len(threads) <= min(REFRESH_WORKERS, len(keys) // 2), f"{len(threads)} keep-alive threads for 200 keys"
     assert not any(ka.is_alive() for ka in keepalives)
 
 
