@@ -147,7 +147,8 @@ class Reporter:
         elif event.kind == "restarting":
             reason = {
                 "failed": f"workers failed; {d['remaining_restarts']} restart(s) left after this one",
-                "membership": f"{d.get('nodes_waiting')} node(s) waiting to join; membership change",
+                "membership": f"membership change: num_nodes_waiting={d.get('nodes_waiting')} (nodes waiting to join, "
+                              "or this node's round is gone)",
                 "port_in_use": "the master port was taken; choosing another",
                 "no_master": "group rank 0 published no master endpoint; forming a new round",
             }.get(d["reason"], d["reason"])

@@ -122,6 +122,7 @@ class SimpleElasticAgent(ElasticAgent):
         self._membership_restarts = 0
         self._rendezvous_count = 0
         self._listener = listener
+        self._waiting_check_failures = 0  # failed num_nodes_waiting checks in a row (logged once per outage)
 
     # -- read-only views -------------------------------------------------------------
 
@@ -286,11 +287,20 @@ class SimpleElasticAgent(ElasticAgent):
         The workers keep running while the backend is away; membership changes are
         seen again once it is back.
         """
+        role = self._worker_group.spec.role
         try:
-            return int(self._worker_group.spec.rdzv_handler.num_nodes_waiting())
+            waiting = int(self._worker_group.spec.rdzv_handler.num_nodes_waiting())
         except RendezvousConnectionError as exc:
-            log.warning("[%s] cannot check for waiting nodes: %s", self._worker_group.spec.role, exc)
+            # WARNING once per outage, DEBUG while it lasts (the monitor asks several times a second)
+            log.log(logging.DEBUG if self._waiting_check_failures else logging.WARNING,
+                    "[%s] cannot check for waiting nodes (the workers keep running): %s", role, exc)
+            self._waiting_check_failures += 1
             return 0
+        if self._waiting_check_failures:
+            log.info("[%s] the rendezvous backend answers again after %d failed checks", role,
+                     self._waiting_check_failures)
+            self._waiting_check_failures = 0
+        return waiting
 
     def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
         """Run the workers until they succeed or the agent gives up.
@@ -337,8 +347,8 @@ class SimpleElasticAgent(ElasticAgent):
                 waiting = self._num_nodes_waiting()
                 if waiting > 0:
                     self._membership_restarts += 1
-                    log.info("[%s] %d node(s) waiting to join (group_rank=%s); restarting the group",
-                             role, waiting, group.group_rank)
+                    log.info("[%s] num_nodes_waiting=%d (nodes waiting to join, or this node's round is gone; "
+                             "group_rank=%s); restarting the group", role, waiting, group.group_rank)
                     self._emit("restarting", reason="membership", remaining_restarts=self._remaining_restarts,
                                nodes_waiting=waiting)
                     self._restart_workers(group)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 import uuid
@@ -77,6 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for member in state.get("alive", []):
             _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
     state["problems"] = [problem] if problem else []
+    state["warnings"] = _missing_members(state)
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
@@ -130,6 +133,25 @@ def _keep_alive_age(kv: KVBackend, keep_alive_ttl: float, member: dict[str, Any]
         member["keep_alive_age"] = round(max(0.0, keep_alive_ttl - left), 3)
 
 
+def _missing_members(state: dict[str, Any]) -> list[str]:
+    """A warning if ranks of a frozen or final round have no live keep-alive key (``[]`` if none).
+
+    Transient, so not a problem (exit 0): a member that stalled writes its key again; one that
+    died does not, and a node waiting to join then destroys the round (see ``rdzv_core.rendezvous``).
+    """
+    world = state.get("participants")
+    if state.get("status") not in ("frozen", "final") or not isinstance(world, int):
+        return []
+    ranks = {m.get("rank") for m in state.get("alive", []) if "corrupt" not in m}
+    missing = [r for r in range(world) if r not in ranks]
+    if not missing:
+        return []
+    if len(missing) == world:
+        return [f"no member of round {state.get('version')} has a live keep-alive key: every node left or died"]
+    return [f"rank(s) {missing[:20]} of round {state.get('version')} have no live keep-alive key: those nodes "
+            f"died, left or stalled (a stalled one writes its key again; a node waiting to join destroys the round)"]
+
+
 def _print_status(state: dict[str, Any], counter: str) -> None:
     print(f"{'run id':<13} {state['run_id']}")
     print(f"{'state':<13} {state['status']}")
@@ -139,6 +161,8 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
     print(f"{'counter':<13} {counter}")
     for problem in state["problems"]:
         print(f"{'PROBLEM':<13} {problem}")
+    for warning in state["warnings"]:
+        print(f"{'WARNING':<13} {warning}")
     now = time.time()
     for member in state.get("alive", []):
         if "corrupt" in member:
@@ -167,13 +191,32 @@ def cmd_close(args: argparse.Namespace) -> int:
 
 
 def cmd_reset(args: argparse.Namespace) -> int:
-    if not _confirm(args, f"delete all state of run {args.url.split('?')[0].rsplit('/', 1)[-1]}"):
-        return 1
+    """Delete every key of the run. Members with a live keep-alive are named first (in the question,
+    or on stderr with ``--yes``): their agents will see their round gone and re-rendezvous."""
     kv, rdzv = _open(args.url)
     with kv:
+        live = _live_members(kv, rdzv)
+        what = f"delete all state of run {rdzv.run_id}"
+        if live:
+            what += (f" while {len(live)} member(s) are live ({', '.join(live[:5])}"
+                     f"{', ...' if len(live) > 5 else ''}; their agents will re-rendezvous)")
+            if args.yes:
+                print(f"rdzv: warning: {what}", file=sys.stderr)
+        if not _confirm(args, what):
+            return 1
         deleted = _delete_tree(kv, rdzv.root + "/")
     print(f"deleted {deleted} keys")
     return 0
+
+
+def _live_members(kv: KVBackend, rdzv: Rendezvous) -> list[str]:
+    """``"rank R on HOST"`` for every live keep-alive key of the run's current round (``[]`` if none
+    or if the round record cannot be read: a reset is how corrupt state is cleared)."""
+    try:
+        state = rdzv.describe()
+    except (RendezvousStateError, CorruptEntry):
+        return []
+    return [f"rank {m.get('rank')} on {m.get('host')}" for m in state.get("alive", []) if "corrupt" not in m]
 
 
 def _delete_tree(kv: KVBackend, prefix: str) -> int:
@@ -270,7 +313,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``rdzv`` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # here, so a reader that left is caught below, not at interpreter exit
+        return code
     except ConfigError as exc:
         print(f"rdzv: {exc}", file=sys.stderr)
         return 2
@@ -285,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RdzvError as exc:
         print(f"rdzv: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `rdzv status URL | head`: the reader left; exit as a shell tool does (SIGPIPE)
+        # Python's recipe: point stdout at devnull so the interpreter's final flush cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

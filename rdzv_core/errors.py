@@ -145,6 +145,10 @@ class BackendTimeout(BackendUnavailable):
     """The server did not answer within the operation's deadline."""
 
 
+#: Longest rendering (characters) of a rejected value in a :class:`ConfigError` message.
+MAX_SHOWN_CHARS = 120
+
+
 class ConfigError(RdzvError, ValueError):
     """Bad input. The message names the field and the offending value.
 
@@ -157,7 +161,10 @@ class ConfigError(RdzvError, ValueError):
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"invalid value for {field!r}: {value!r}: {reason}")
+        shown = repr(value)
+        if len(shown) > MAX_SHOWN_CHARS:  # a 20 KB query value must not become a 20 KB error line
+            shown = f"{shown[:MAX_SHOWN_CHARS - 20]}... ({len(shown)} chars)"
+        super().__init__(f"invalid value for {field!r}: {shown}: {reason}")
 
 
 class InvalidKeyError(ConfigError):

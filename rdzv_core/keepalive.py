@@ -96,6 +96,7 @@ class KeepAlive:
         self.interval = ttl / 3  #: seconds between refreshes
         self.lapsed = threading.Event()
         self.recreated = 0
+        self._failures = 0  # failed refreshes in a row (for logging once per streak)
         self._lock = threading.Lock()
         self._stopped = False  # stop() was called
         self._ended = False  # no more refreshes: stopped, backend closed, or lapsed without a value
@@ -164,6 +165,9 @@ class KeepAlive:
         """Refresh the key once; return the wait before the next refresh (seconds), ``None`` to end."""
         try:
             self.kv.refresh(self.key, self.ttl)
+            if self._failures:
+                log.info("keep-alive refresh of %s works again after %d failed attempt(s)", self.key, self._failures)
+                self._failures = 0
             return self.interval
         except KeyNotFound:
             self.lapsed.set()
@@ -176,7 +180,11 @@ class KeepAlive:
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
             wait = random.uniform(0.25, 0.5) * self.interval
-            log.warning("keep-alive refresh of %s failed (retrying in %.2f s): %s", self.key, wait, exc)
+            # WARNING once per streak of failures (a server down for a minute is one line, not hundreds)
+            log.log(logging.DEBUG if self._failures else logging.WARNING,
+                    "keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
+                    self.key, wait, exc)
+            self._failures += 1
             return wait
 
     def _recreate(self) -> float | None:

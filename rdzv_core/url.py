@@ -278,13 +278,20 @@ def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:
         key = QUERY_ALIASES.get(raw_key, raw_key)
         if key not in table:
             valid = ", ".join(sorted(set(table) | set(QUERY_ALIASES)))
-            raise InvalidURLError(raw_key, raw_value, f"unknown query key; valid keys: {valid}")
+            shown = "***" if _SECRET_KEY.search(raw_key) else raw_value
+            raise InvalidURLError(raw_key, shown, f"unknown query key (credentials go in the URL's user:password@); "
+                                                  f"valid keys: {valid}")
         if key in params:
             raise InvalidURLError(raw_key, raw_value, "given more than once")
         params[key] = table[key](raw_key, raw_value)
     return params
 
 
+#: Query keys whose values are never echoed in errors (a user guessing ``?password=...``).
+_SECRET_KEY = re.compile(r"pass|secret|token|auth|cred|key$", re.IGNORECASE)
+
+
 def _redact_text(url: str) -> str:
-    """``url`` with any ``user:password@`` password replaced by ``***``."""
-    return re.sub(r"(://[^/@:]*:)[^/@]*@", r"\1***@", url)
+    """``url`` with any ``user:password@`` password replaced by ``***`` -- also in text that is not
+    a well-formed URL (``redis:/u:pw@h/x``, ``u:pw@h/x``), which error messages echo."""
+    return re.sub(r"([^/@:]*:)[^/@]*@", r"\1***@", url)

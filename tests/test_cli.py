@@ -148,3 +148,49 @@ def test_status_shows_each_members_keep_alive_age(rdzv_url, kv, capsys) -> None:
         assert "refreshed" in capsys.readouterr().out
     finally:
         member.leave()
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
+    """``rdzv backends | head -0``: exit 141 (as a shell tool on SIGPIPE), nothing on stderr, buffered or not."""
+    import os
+
+    for unbuffered in ("", "1"):
+        proc = subprocess.Popen([sys.executable, "-m", "rdzv_core.cli", "backends"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # long before the command has imported anything and written
+        err = proc.stderr.read()
+        assert proc.wait(60) == 141 and err == b"", err
+
+
+def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> None:
+    """A final round whose member's keep-alive key is gone (died, left, stalled): a warning, exit status 0."""
+    from rdzv_core.cli import main
+
+    url = rdzv_url(keep_alive_ttl=30)
+    run_id = url.split("?")[0].rsplit("/", 1)[1]
+    member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    member.next_round()
+    assert main(["status", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["warnings"] == []
+    member.leave()  # deletes its keep-alive key; the round record stays final
+    assert main(["status", url, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["status"] == "final" and report["alive"] == [] and len(report["warnings"]) == 1
+
+
+def test_reset_of_a_live_run_names_the_live_members(tmp_path) -> None:
+    """Resetting under live members is allowed with --yes, but they are named on stderr first."""
+    url = f"file://{tmp_path}/job{uuid.uuid4().hex[:6]}"
+    kv = open_backend(url.rsplit("/", 1)[0] + "/")
+    member = Rendezvous(kv, url.rsplit("/", 1)[1], RendezvousParams(min_nodes=1, keep_alive_ttl=30,
+                                                                    last_call_timeout=0.1))
+    member.next_round()
+    out = _rdzv("reset", url)  # no terminal, no --yes
+    assert out.returncode == 1 and "rank 0" in out.stderr
+    out = _rdzv("reset", url, "--yes")
+    assert out.returncode == 0 and "rank 0" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert json.loads(_rdzv("status", url, "--json").stdout)["status"] == "absent"
+    assert member.num_nodes_waiting() >= 1  # the member is told its round is gone
+    member.leave()
+    kv.close()

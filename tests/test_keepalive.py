@@ -117,6 +117,32 @@ def test_refreshes_blocked_in_a_black_hole_do_not_delay_other_keys(
     assert all(ka.lapsed.is_set() and ka.recreated >= 1 for ka in blocked)
 
 
+def test_an_outage_is_one_warning_not_one_per_failed_refresh(
+        rdzv_server_redis: Any, prefix: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Refreshes failing for many intervals (connections dropped) log one WARNING, then DEBUG; INFO once back."""
+    with TCPProxy(rdzv_server_redis.host, rdzv_server_redis.port) as proxy:
+        kv = open_backend(f"redis://{proxy.address}/?operation_timeout=0.5")
+        try:
+            caplog.set_level("DEBUG", logger="rdzv_core.keepalive")
+            (ka,) = _start(kv, [prefix + "k"], 0.6)  # a refresh every 0.2 s; failures retry every 0.05-0.1 s
+            proxy.set_mode(Mode.DROP)
+            deadline = time.monotonic() + 30
+            while sum(r.levelname == "DEBUG" for r in caplog.records) < 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            proxy.set_mode(Mode.PASS)
+            while not any(r.levelname == "INFO" for r in caplog.records) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            ka.stop()
+        finally:
+            kv.close()
+    records = [r for r in caplog.records if r.name == "rdzv_core.keepalive"]
+    levels = [r.levelname for r in records]
+    assert levels.count("DEBUG") >= 5, levels  # five or more failures after the first...
+    # ...at WARNING once (plus one if the key lapsed in the outage and was written again)
+    assert levels.count("WARNING") <= 2, levels
+    assert "INFO" in levels, levels  # and the recovery once
+
+
 def test_stop_ends_the_refreshes(memory: KVBackend, prefix: str) -> None:
     key = prefix + "k"
     resolution = list_backends()["memory"].spec.capabilities.ttl_resolution
