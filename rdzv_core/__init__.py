@@ -118,6 +118,10 @@ def parse_backend_url(url: str, *, require_run_id: bool = True) -> tuple[Backend
             f"{scheme}:// URLs take no path before the run id ({scheme}://HOST/RUN_ID); "
             "keys of different jobs are separated by the run id (and ?prefix= where the backend has it)",
         )
+    if (parsed.username or parsed.password) and not spec.capabilities.auth:
+        raise InvalidURLError(
+            "user", parsed.username or "", f"{scheme}:// backends take no credentials (user:password@); remove them"
+        )
     return info, parsed
 
 

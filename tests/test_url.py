@@ -133,3 +133,13 @@ def test_values_beyond_what_clients_can_represent_are_refused(query: str, field:
     with pytest.raises(ConfigError) as info:
         create_handler(f"memory://bounds/job?{query}")
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("url", ["file://u:HuntER2x@/tmp/x/job", "memory://u:HuntER2x@space/job"])
+def test_credentials_for_a_backend_without_auth_are_refused(url: str) -> None:
+    """Credentials that would be silently ignored are an error naming the field, without the password."""
+    from rdzv_core import parse_backend_url
+
+    with pytest.raises(InvalidURLError) as info:
+        parse_backend_url(url)
+    assert info.value.field == "user" and "HuntER2x" not in str(info.value)
