@@ -222,6 +222,7 @@ class _WatchStream:
         if self.retired and self.failure is None and not self._active and not self._pending:
             self._call.cancel()  # the dispatcher sees CANCELLED and ends the stream
 
+
 def _key(raw: bytes) -> str | None:
     """Our key for a v3 key (``b"/a/b"`` -> ``"a/b"``); ``None`` for keys another program wrote
     that no key of ours can be (not UTF-8, or outside the key grammar)."""
@@ -229,6 +230,7 @@ def _key(raw: bytes) -> str | None:
         return check_key(bytes(raw).decode("utf-8")[1:])
     except (UnicodeDecodeError, InvalidKeyError):
         return None
+
 
 def _event(ev: Any) -> Event | None:
     key = _key(ev.kv.key)

@@ -744,7 +744,9 @@ class EtcdV3Backend(KVBackend):
         else:
             raise _StreamError(self._grpc.StatusCode.UNAVAILABLE, "the watch stream failed at once, thrice")
         try:
-            sub.woken.wait(max(poll.remaining(), _MIN_TRY))  # as long as a stream's shortest gRPC deadline was
+            # Exactly the call's timeout: no floor. A floor (it was 50 ms) made every short watch end at
+            # the same moment, which defeated the rendezvous's jittered setup stagger (all nodes created).
+            sub.woken.wait(max(poll.remaining(), 0.0))
         finally:
             stream.unsubscribe(sub)
         if sub.error is not None:
@@ -758,7 +760,6 @@ class EtcdV3Backend(KVBackend):
 
 def _k(key: str) -> bytes:
     return ("/" + key).encode("utf-8")
-
 
 
 def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
