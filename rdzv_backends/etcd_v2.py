@@ -184,12 +184,8 @@ log = logging.getLogger(__name__)
 POOL_CONNECTIONS = 1024
 
 _LEAF = "!"
-#: Shortest long poll (seconds): ``watch(timeout=0)`` still asks the server once. Short, so
-#: a watch ends close to its timeout (the rendezvous staggers its setup with short watches).
-_MIN_POLL = 0.02
-#: Shortest connect timeout of a long poll (seconds): a poll's short read timeout is no
-#: reason to give a new connection less time than this.
-_MIN_POLL_CONNECT = 0.2
+#: Shortest long poll (seconds): ``watch(timeout=0)`` still asks the server once.
+_MIN_POLL = 0.2
 _KEYS = "/v2/keys"
 #: Counters whose last written state ``add`` remembers per backend object.
 _COUNTER_CACHE = 1024
@@ -490,8 +486,7 @@ class EtcdV2Backend(KVBackend):
                 if per_try <= 0:
                     break
                 ep = self._eps[index]
-                connect = per_try if poll is None else max(per_try, _MIN_POLL_CONNECT)
-                timeout = u3.Timeout(connect=min(connect, self.settings.operation_timeout), read=per_try)
+                timeout = u3.Timeout(connect=min(per_try, self.settings.operation_timeout), read=per_try)
                 try:
                     answer = self._request(ep, method, path, params, timeout)
                 except _ClusterChanged as exc:  # another cluster answered (and applied?) it

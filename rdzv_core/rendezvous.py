@@ -368,9 +368,9 @@ class Rendezvous:
     # -- one attempt (after the seed's init_phase) ----------------------------
     def _attempt(self, deadline: float) -> RoundResult:
         started = time.monotonic()
-        entry, state, revision = self._read_state_at()
+        entry, state = self._read_state()
         if entry is None or state is None:
-            entry, state = self._setup(revision, time.monotonic() - started, deadline)
+            entry, state = self._setup(time.monotonic() - started, deadline)
         status = state["status"]
         if status == CLOSED:
             raise RendezvousClosed(f"run {self.run_id} is closed")
@@ -393,27 +393,28 @@ class Rendezvous:
                         min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline))
         raise _Retry(f"round was {status}")
 
-    def _setup(self, revision: int, read_seconds: float, deadline: float) -> tuple[Entry, dict[str, Any]]:
+    def _setup(self, read_seconds: float, deadline: float) -> tuple[Entry, dict[str, Any]]:
         """Create a new round: setup (ephemeral) -> joinable (after the seed's try_create_rendezvous).
 
         The nodes of a job usually start together and all find no round. Before racing
-        to create the setup record, each watches ``state/`` (from ``revision``, the read
-        that found no round) for a random time in ``[0, W)``, then reads it again: the
-        first to wake creates the record; the others are woken by it, or find it, instead
-        of each losing a create. ``W`` = max(:data:`SETUP_STAGGER`, 16 x ``read_seconds``,
-        the duration of that read), at most 1 s: the winner's create needs about two such
-        round trips to be seen, so about N/8 of N nodes still race it (N - 1 without the
-        stagger). The first round starts about ``W / (N + 1)`` seconds later. A watch
-        must honour short timeouts for this to work (a floor ends every node's wait at
-        once: etcd-v3's 50 ms floor did, etcd v2's long poll reads at least 20 ms).
+        to create the setup record, each waits a random time in ``[0, W)`` (jittered
+        backoff, as torch's dynamic handler delays its first round) and reads ``state/``
+        again: the first to wake creates the record and the others find it instead of
+        each losing a create. ``W`` = max(:data:`SETUP_STAGGER`, 16 x ``read_seconds``,
+        the duration of the read that found no round), at most 1 s: the winner's create
+        needs about two such round trips to be seen, so about N/8 of N nodes still race
+        it (N - 1 without the stagger). The first round starts ``W / (N + 1)`` seconds
+        later on average. A plain sleep, not a watch with that timeout: backends whose
+        watches have a floor (etcd v2's long poll: 0.2 s) would end every node's wait
+        at the same moment and all would create.
 
         Raises:
             _Retry: another node created the record meanwhile (re-read it), or won the race.
         """
         ttl = self.params.keep_alive_ttl
         window = min(1.0, max(SETUP_STAGGER, 16 * read_seconds))
-        stagger_end = min(time.monotonic() + random.uniform(0, window), deadline)
-        if wait_for_change(self.kv, self._state_dir, revision, stagger_end) or self._read_state()[0] is not None:
+        time.sleep(max(0.0, min(random.uniform(0, window), deadline - time.monotonic())))
+        if self._read_state()[0] is not None:
             raise _Retry("another node is setting up a round")
         try:
             setup = self.kv.create(self._state_key, _encode({"status": SETUP}), ttl=ttl)
@@ -653,20 +654,15 @@ class Rendezvous:
 
     def _read_state(self) -> tuple[Entry | None, dict[str, Any] | None]:
         """One read of ``ROOT/state/``: the round record, or a ``closed`` pseudo-state."""
-        entry, state, _ = self._read_state_at()
-        return entry, state
-
-    def _read_state_at(self) -> tuple[Entry | None, dict[str, Any] | None, int]:
-        """:meth:`_read_state` and the store revision of the read (to watch from)."""
-        entries, revision = self.kv.list(self._state_dir)
+        entries, _ = self.kv.list(self._state_dir)
         found = {e.key: e for e in entries}
         closed = found.get(self._closed_key)
         if closed is not None:
-            return closed, {"status": CLOSED}, revision
+            return closed, {"status": CLOSED}
         entry = found.get(self._state_key)
         if entry is None:
-            return None, None, revision
-        return entry, _decode_state(entry), revision
+            return None, None
+        return entry, _decode_state(entry)
 
     def _counter(self, key: str) -> int:
         entry = self.kv.get(key)

@@ -123,11 +123,11 @@ class StoppingRendezvous(Rendezvous):
             emit("progress", phase=p.phase, version=p.version, joined=p.joined)
 
     # -- the stopping points ----------------------------------------------------
-    def _setup(self, revision: int, read_seconds: float, deadline: float) -> Any:
+    def _setup(self, read_seconds: float, deadline: float) -> Any:
         if self._armed("setup"):  # the version counter is taken right after the setup record exists
             self.trapped.arm("add", lambda key, _: key.endswith("/counter/version"), before=True)
         try:
-            return super()._setup(revision, read_seconds, deadline)
+            return super()._setup(read_seconds, deadline)
         finally:
             self.trapped.disarm()
 
