@@ -125,10 +125,12 @@ def test_no_python_runs_any_executable(procs, tmp_path):
     assert sorted(out.read_text().split()) == ["0/2", "1/2"]
 
 
-def test_the_url_password_reaches_no_worker_log_or_output(procs, tmp_path):
+def test_the_url_password_reaches_no_worker_log_or_output(procs, tmp_path, rdzv_server_redis):
+    # A real Redis whose default user has no password accepts any password for it (AUTH default <any>):
+    # the URL carries a secret end to end without configuring server auth.
     secret = f"pw{uuid.uuid4().hex[:12]}"
     run_id = new_run(procs)
-    url = f"file://user:{secret}@{tmp_path}/rdzv/{run_id}?last_call_timeout=0.5"
+    url = f"redis://default:{secret}@{rdzv_server_redis.address}/{run_id}?last_call_timeout=0.5"
     out = str(tmp_path / "out")
     logs = str(tmp_path / "logs")
     args = ["--nproc-per-node", "2", "--monitor-interval", "0.1", "--log-dir", logs, "--tee", "3",
