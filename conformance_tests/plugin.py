@@ -20,6 +20,7 @@ select groups with ``-m protocol``, ``-m rendezvous``, ``-m store``, ``-m faults
 
 from __future__ import annotations
 
+import contextlib
 import re
 import tempfile
 import uuid
@@ -102,19 +103,29 @@ def rdzv_server(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"rdzv_server_{names[0]}")
 
 
-@pytest.fixture
-def kv_factory(rdzv_base_url: str) -> Iterator[Callable[[], KVBackend]]:
-    """Open independent backend clients for the URL under test; all are closed after the test."""
+@contextlib.contextmanager
+def backends_opened(url_of: Callable[..., str]) -> Iterator[Callable[..., KVBackend]]:
+    """Yield ``open_(*args, **kwargs)`` -> ``open_backend(url_of(*args, **kwargs))``; every backend it
+    opened is closed on exit. For fixtures that hand a test several independent clients."""
     opened: list[KVBackend] = []
 
-    def factory() -> KVBackend:
-        backend = open_backend(rdzv_base_url)
+    def open_(*args: Any, **kwargs: Any) -> KVBackend:
+        backend = open_backend(url_of(*args, **kwargs))
         opened.append(backend)
         return backend
 
-    yield factory
-    for backend in opened:
-        backend.close()
+    try:
+        yield open_
+    finally:
+        for backend in opened:
+            backend.close()
+
+
+@pytest.fixture
+def kv_factory(rdzv_base_url: str) -> Iterator[Callable[[], KVBackend]]:
+    """Open independent backend clients for the URL under test; all are closed after the test."""
+    with backends_opened(lambda: rdzv_base_url) as factory:
+        yield factory
 
 
 @pytest.fixture

@@ -43,6 +43,7 @@ from rdzv_core import (
     open_backend,
 )
 
+from .plugin import backends_opened
 from .test_rendezvous import Agent, crew_of, round_of
 
 pytestmark = pytest.mark.faults
@@ -71,16 +72,8 @@ def _with_query(url: str, **query: Any) -> str:
 @pytest.fixture
 def fast_kv(rdzv_base_url: str) -> Iterator[Callable[[], KVBackend]]:
     """Open clients with ``operation_timeout=1``; all are closed after the test."""
-    opened: list[KVBackend] = []
-
-    def factory() -> KVBackend:
-        kv = open_backend(_with_query(rdzv_base_url, operation_timeout=OP_TIMEOUT))
-        opened.append(kv)
-        return kv
-
-    yield factory
-    for kv in opened:
-        kv.close()
+    with backends_opened(lambda: _with_query(rdzv_base_url, operation_timeout=OP_TIMEOUT)) as factory:
+        yield factory
 
 
 @pytest.fixture

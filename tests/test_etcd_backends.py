@@ -27,7 +27,9 @@ import pytest
 
 from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.servers import free_port
+from conformance_tests.test_protocol import run_threads
 from rdzv_backends._etcd_common import AddCombiner, Deadline, FailureBudget, RaceRetry, ReadCoalescer, ttl_seconds
+from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
     BackendTimeout,
@@ -77,16 +79,8 @@ def own_etcd() -> Iterator[EtcdServer]:
 @pytest.fixture
 def opener() -> Iterator[Callable[[str], KVBackend]]:
     """``opener(url)``: open a backend that is closed after the test."""
-    opened: list[KVBackend] = []
-
-    def open_(url: str) -> KVBackend:
-        kv = open_backend(url)
-        opened.append(kv)
-        return kv
-
-    yield open_
-    for kv in opened:
-        kv.close()
+    with backends_opened(lambda url: url) as open_:
+        yield open_
 
 
 def timed(call: Callable[[], object]) -> tuple[BaseException | None, float]:
@@ -798,22 +792,8 @@ def test_shared_backend_adds_are_atomic_and_combined(
     key = f"hot-{scheme}/n"
     threads, per_thread = 64, 5
     start_revision = kv.put(key, b"0").revision
-    gate = threading.Barrier(threads)
-    results: list[list[int]] = [[] for _ in range(threads)]
-    errors: list[BaseException] = []
-
-    def work(i: int) -> None:
-        try:
-            gate.wait(30)
-            results[i].extend(kv.add(key, 1) for _ in range(per_thread))
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
+    results = run_threads(threads, lambda i: [kv.add(key, 1) for _ in range(per_thread)])
+    errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, errors[:3]
     total = threads * per_thread
     assert sorted(t for r in results for t in r) == list(range(1, total + 1))
@@ -829,21 +809,7 @@ def test_adds_from_many_clients_on_one_counter(
     """32 clients (no combining across them) race on one key: all distinct, none lost, no timeout."""
     clients = [opener(f"{scheme}://{etcd.address}/") for _ in range(32)]
     key = f"race-{scheme}/n"
-    gate = threading.Barrier(len(clients))
-    results: list[list[int] | BaseException | None] = [None] * len(clients)
-
-    def work(i: int) -> None:
-        gate.wait(30)
-        try:
-            results[i] = [clients[i].add(key, 1) for _ in range(3)]
-        except BaseException as exc:  # reported below
-            results[i] = exc
-
-    workers = [threading.Thread(target=work, args=(i,)) for i in range(len(clients))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(60)
+    results = run_threads(len(clients), lambda i: [clients[i].add(key, 1) for _ in range(3)])
     totals = [r for r in results if isinstance(r, list)]
     assert len(totals) == len(clients), [r for r in results if not isinstance(r, list)][:3]
     assert sorted(t for r in totals for t in r) == list(range(1, 3 * len(clients) + 1))

@@ -43,11 +43,11 @@ import pytest
 from conformance_tests.test_protocol import quiet
 from conformance_tests.etcd_cluster import EtcdCluster, EtcdMember
 from conformance_tests.test_rendezvous import Agent, crew_of, round_of
+from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     EventType,
     KVBackend,
     list_backends,
-    open_backend,
 )
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary on PATH")
@@ -101,16 +101,8 @@ def leader(cluster: EtcdCluster) -> EtcdMember:
 @pytest.fixture
 def clients(cluster: EtcdCluster, leader: EtcdMember, scheme: str) -> Iterator[Callable[[], KVBackend]]:
     """``clients()`` -> a new client on ``SCHEME://LEADER,F1,F2/``; all closed after the test."""
-    opened: list[KVBackend] = []
-
-    def make() -> KVBackend:
-        kv = open_backend(cluster.url(scheme, first=leader, operation_timeout=OP_TIMEOUT))
-        opened.append(kv)
-        return kv
-
-    yield make
-    for kv in opened:
-        kv.close()
+    with backends_opened(lambda: cluster.url(scheme, first=leader, operation_timeout=OP_TIMEOUT)) as make:
+        yield make
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ import pytest
 
 from conformance_tests.proxy import Mode, TCPProxy
 from conformance_tests.test_rendezvous import Agent, round_of
+from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
     BackendUnavailable,
@@ -42,7 +43,6 @@ from rdzv_core import (
     KVBackend,
     RendezvousParams,
     list_backends,
-    open_backend,
 )
 from rdzv_core.keepalive import KeepAlive
 
@@ -77,17 +77,12 @@ def proxy(server: Any) -> Iterator[TCPProxy]:
 @pytest.fixture
 def clients(scheme: str, server: Any, proxy: TCPProxy) -> Iterator[Callable[..., KVBackend]]:
     """``clients(direct=False)`` -> a new client through the proxy (or straight to the server); all closed after."""
-    opened: list[KVBackend] = []
-
-    def make(direct: bool = False) -> KVBackend:
+    def url(direct: bool = False) -> str:
         address = server.address if direct else proxy.address
-        kv = open_backend(f"{scheme}://{address}/?operation_timeout={OP_TIMEOUT if not direct else 10}")
-        opened.append(kv)
-        return kv
+        return f"{scheme}://{address}/?operation_timeout={OP_TIMEOUT if not direct else 10}"
 
-    yield make
-    for kv in opened:
-        kv.close()
+    with backends_opened(url) as make:
+        yield make
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import redis
 
 from conformance_tests.redis_server import RedisServer, RedisTLSServer
 from rdzv_backends.redis_backend import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
+from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
     BackendTimeout,
@@ -79,16 +80,8 @@ def mtls_server() -> Iterator[RedisTLSServer]:
 @pytest.fixture
 def opened() -> Iterator[Callable[[str], KVBackend]]:
     """``open(url)`` that closes every backend it opened after the test."""
-    backends: list[KVBackend] = []
-
-    def open_(url: str) -> KVBackend:
-        kv = open_backend(url)
-        backends.append(kv)
-        return kv
-
-    yield open_
-    for kv in backends:
-        kv.close()
+    with backends_opened(lambda url: url) as open_:
+        yield open_
 
 
 @pytest.fixture
