@@ -415,7 +415,7 @@ class Rendezvous:
         """
         ttl = self.params.keep_alive_ttl
         window = min(1.0, max(SETUP_STAGGER, 16 * read_seconds))
-        time.sleep(max(0.0, min(random.uniform(0, window), deadline - time.monotonic())))
+        _Backoff(base=window, cap=window).sleep(deadline)  # its first sleep: uniform(0, window), within the deadline
         if self._read_state()[0] is not None:
             raise _Retry("another node is setting up a round")
         try:
