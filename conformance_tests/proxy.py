@@ -8,8 +8,10 @@ proxy's :attr:`~TCPProxy.address` instead of the server's) and switch its
 mode       what the clients see
 =========  ============================================================================
 pass       a normal connection: bytes are forwarded both ways as they come
-drop       every open connection is reset (RST, ``SO_LINGER`` 0), and every new one is
-           accepted and reset at once: "connection reset by peer"
+drop       every open connection is reset (RST, ``SO_LINGER`` 0: "connection reset by
+           peer"), and new ones are refused ("connection refused"): the listening socket
+           stops listening but keeps its port, so the kernel refuses at once, however
+           late this proxy's thread gets to run on a loaded machine
 blackhole  connections stay open, new ones are accepted, but nothing is forwarded in
            either direction (a silent network partition). Bytes already read are held,
            not lost: back in ``pass``/``slow`` they flow on, as TCP retransmission would
@@ -18,7 +20,7 @@ slow       as ``pass``, each chunk delayed by ``delay`` seconds (per direction, 
 =========  ============================================================================
 
 :meth:`TCPProxy.set_mode` returns once the mode is in effect (for ``drop``: once
-every connection was reset). The proxy runs an ``asyncio`` loop on one daemon
+every connection was reset and the port refuses). The proxy runs an ``asyncio`` loop on one daemon
 thread; every public method is thread-safe. Counters of forwarded chunks
 (:meth:`TCPProxy.chunks`) let a test see traffic happen (e.g. a keep-alive's
 refresh) without reaching into the client.
@@ -103,7 +105,8 @@ class TCPProxy:
         self._changed = threading.Condition()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._server: asyncio.AbstractServer | None = None
+        self._server: asyncio.AbstractServer | None = None  # None while dropping
+        self._holder: socket.socket | None = None  # keeps the port bound (not listening) while dropping
         self._connections: set[_Connection] = set()
         self._flowing = asyncio.Event()  # set while traffic flows (pass, slow); bound to the loop at first use
         self._flowing.set()
@@ -185,9 +188,51 @@ class TCPProxy:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(_CONTROL_TIMEOUT)
 
     # -- the loop's side ---------------------------------------------------------------------
+    def _bound_socket(self) -> socket.socket:
+        """A TCP socket bound to (host, port) with ``SO_REUSEADDR``: it can share the port with a
+        bound socket that is not listening (the holder) and with connections accepted earlier."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
     async def _listen(self) -> None:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port)
-        self.port = int(self._server.sockets[0].getsockname()[1])
+        """Listen on (host, port) (port 0 at the first start: the OS picks one); then drop the holder."""
+        sock = self._bound_socket()
+        try:
+            sock.listen(128)
+            self._server = await asyncio.start_server(self._serve, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self.port = int(sock.getsockname()[1])
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+
+    def _refuse(self) -> None:
+        """Stop listening, keeping the port: new connections are refused by the kernel at once.
+
+        ``shutdown(SHUT_RD)`` of a listening socket ends the listen on Linux (connections still
+        in its backlog are reset) and leaves it bound; a holder socket bound to the port (not
+        listening) then keeps the port ours while the server closes that socket, so no other
+        program takes it before :meth:`_listen` listens on it again.
+        """
+        if self._server is None:
+            return
+        for sock in self._server.sockets:
+            try:
+                sock.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass  # not listening any more
+        self._holder = self._bound_socket()
+        self._server.close()
+        self._server = None
 
     async def _apply(self, mode: Mode, delay: float) -> None:
         self._mode, self._delay = mode, delay
@@ -196,13 +241,19 @@ class TCPProxy:
         else:
             self._flowing.clear()
         if mode is Mode.DROP:
+            self._refuse()
             for conn in list(self._connections):
                 conn.reset()
             self._connections.clear()
+        elif self._server is None:
+            await self._listen()
 
     async def _shutdown(self) -> None:
         if self._server is not None:
             self._server.close()
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
         tasks = [conn.task for conn in self._connections]
         for conn in list(self._connections):
             conn.reset()
@@ -220,7 +271,7 @@ class TCPProxy:
         task = cast("asyncio.Task[Any]", asyncio.current_task())
         self._count("accepted")
         conn = _Connection(writer, task)
-        if self._mode is Mode.DROP:
+        if self._mode is Mode.DROP:  # accepted just before the listen ended
             _reset(writer)
             return
         self._connections.add(conn)
