@@ -69,7 +69,7 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.argparse_util import check_env, env
 
 from rdzv_core.errors import ConfigError, InvalidURLError
-from rdzv_core.url import QUERY_ALIASES, RENDEZVOUS_QUERY_KEYS, parse_url, validate_run_id
+from rdzv_core.url import QUERY_ALIASES, RENDEZVOUS_QUERY_KEYS, parse_url, split_scheme, validate_run_id
 
 from .api import DEFAULT_ROLE
 from .streams import Std, parse_std
@@ -550,6 +550,7 @@ def _elastic_url(args: argparse.Namespace, mode: str, url_arg: str | None) -> tu
         min_nodes = max_nodes = 1
     elif mode == "url":
         url = str(url_arg)
+        split_scheme(url)  # errors about the URL as a whole echo it as given, before keys are merged in
     else:
         for name, value in zip(("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"),
                                (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id), strict=True):

@@ -31,6 +31,7 @@ import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import InvalidURLError
+from .url import validate_run_id
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -46,8 +47,14 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
     """The rdzv URL equivalent to torchrun's ``RendezvousParameters`` for ``scheme``.
 
     Raises:
-        InvalidURLError: the endpoint is missing where the scheme needs one.
+        InvalidURLError: the endpoint is missing where the scheme needs one (``rdzv_endpoint``),
+            or the run id is not one (``rdzv_id``: checked first, so that ``../x`` is not
+            read as a directory of the endpoint).
     """
+    try:
+        validate_run_id(params.run_id)
+    except InvalidURLError as exc:
+        raise InvalidURLError("rdzv_id", params.run_id, exc.reason) from None
     endpoint = (params.endpoint or "").strip()
     if scheme == "file":
         if not endpoint.startswith("/"):

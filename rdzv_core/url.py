@@ -26,6 +26,7 @@ from .errors import InvalidURLError
 __all__ = [
     "RendezvousURL",
     "parse_url",
+    "split_scheme",
     "RENDEZVOUS_QUERY_KEYS",
     "QUERY_ALIASES",
     "validate_run_id",
@@ -205,6 +206,33 @@ def _parse_host(item: str, default_port: int | None) -> tuple[str, int | None]:
     return host, int(port_text)
 
 
+def split_scheme(url: str) -> tuple[str, str]:
+    """The checks of a URL as a whole (the first steps of :func:`parse_url`): ``(scheme, rest)``.
+
+    ``scheme`` is lower-cased; ``rest`` is the text after ``://``, without a fragment.
+    A caller that adds query keys to a user's URL checks it with this first, so that
+    an error echoes the URL as the user wrote it.
+
+    Raises:
+        InvalidURLError: naming ``url`` (not a str, control characters, no ``://``, a
+            ``#fragment``; the password shown as ``***``) or ``scheme``.
+    """
+    if not isinstance(url, str):
+        raise InvalidURLError("url", type(url).__name__, "a rendezvous URL is a str")
+    if any(ord(c) < 32 or ord(c) == 127 for c in url):
+        raise InvalidURLError("url", _redact_text(url), "contains control characters")
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        raise InvalidURLError("url", _redact_text(url), "expected SCHEME://HOSTS/RUN_ID")
+    scheme = scheme.lower()
+    if not _SCHEME.fullmatch(scheme):
+        raise InvalidURLError("scheme", scheme, "not a URL scheme")
+    rest, _, fragment = rest.partition("#")
+    if fragment:
+        raise InvalidURLError("url", _redact_text(url), "fragments ('#...') are not allowed")
+    return scheme, rest
+
+
 def parse_url(
     url: str,
     *,
@@ -229,31 +257,20 @@ def parse_url(
         InvalidURLError: naming the field (``url``, ``scheme``, ``host``, ``port``,
             ``run_id``, a query key, ``min_nodes``/``max_nodes``) and the value.
     """
-    if not isinstance(url, str):
-        raise InvalidURLError("url", type(url).__name__, "a rendezvous URL is a str")
-    if any(ord(c) < 32 or ord(c) == 127 for c in url):
-        raise InvalidURLError("url", _redact_text(url), "contains control characters")
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        raise InvalidURLError("url", _redact_text(url), "expected SCHEME://HOSTS/RUN_ID")
-    scheme = scheme.lower()
-    if not _SCHEME.fullmatch(scheme):
-        raise InvalidURLError("scheme", scheme, "not a URL scheme")
-    rest, _, fragment = rest.partition("#")
-    if fragment:
-        raise InvalidURLError("url", _redact_text(url), "fragments ('#...') are not allowed")
+    scheme, rest = split_scheme(url)
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
     username = password = None
     if "@" in netloc:
         userinfo, _, netloc = netloc.rpartition("@")
         user, has_pw, pw = userinfo.partition(":")
-        username = urllib.parse.unquote(user) if user else None
-        password = urllib.parse.unquote(pw) if has_pw else None
+        username = _unquote("username", user) if user else None
+        password = _unquote("password", pw, secret=True) if has_pw else None
     hosts = tuple(_parse_host(h, default_port) for h in netloc.split(",")) if netloc else ()
     if require_host and not hosts:
         raise InvalidURLError("host", netloc, f"{scheme}:// needs at least one HOST[:PORT]")
-    segments = [urllib.parse.unquote(s) for s in path.split("/")] if slash else []
+    parts = path.split("/") if slash else []
+    segments = [_unquote("run_id" if i == len(parts) - 1 else "path", s) for i, s in enumerate(parts)]
     run_id = segments[-1] if segments else ""
     if require_run_id or run_id:
         validate_run_id(run_id)
@@ -265,6 +282,22 @@ def parse_url(
     if lo is not None and hi is not None and lo > hi:
         raise InvalidURLError("min_nodes", lo, f"greater than max_nodes={hi}")
     return RendezvousURL(scheme, hosts, path_part, run_id, params, username, password)
+
+
+_BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
+
+
+def _unquote(field: str, text: str, *, secret: bool = False) -> str:
+    """Percent-decode one URL part as UTF-8, strictly: a ``%`` not followed by two hex digits, or
+    escapes that are not UTF-8, raise :class:`InvalidURLError` naming ``field`` (the value shown as
+    ``***`` when ``secret``) -- :func:`urllib.parse.unquote` would keep the first and replace the second."""
+    shown = "***" if secret else text
+    if _BAD_ESCAPE.search(text):
+        raise InvalidURLError(field, shown, "'%' must start an escape of two hex digits (write a literal '%' as %25)")
+    try:
+        return urllib.parse.unquote(text, errors="strict")
+    except UnicodeDecodeError:
+        raise InvalidURLError(field, shown, "percent-escapes that are not UTF-8") from None
 
 
 def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:

@@ -301,6 +301,15 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert len(err.strip().splitlines()) == 1 and err.startswith("rdzv-run: error:")
 
 
+@pytest.mark.parametrize("url, shown", [("nonsense", "'nonsense':"),
+                                        ("redis://u:hunter2@h/run#x", "'redis://u:***@h/run#x':")])
+def test_a_malformed_url_is_echoed_as_given(url, shown, capsys):
+    """The error shows the user's URL, not the URL with --nnodes' keys merged into it; no password."""
+    assert main(["--rdzv", url, "--nnodes", "2", WORKER]) == 2
+    err = capsys.readouterr().err
+    assert shown in err and "min_nodes" not in err and "hunter2" not in err, err
+
+
 @pytest.mark.parametrize(
     "env, argv, shown",
     [

@@ -130,3 +130,18 @@ def test_rdzv_conf_maps_to_url() -> None:
 
     parsed = parse_url(url)
     assert parsed.params == {"min_nodes": 2, "max_nodes": 3, "last_call_timeout": 5.0, "timeout": 60.0}
+
+
+@pytest.mark.parametrize("run_id", ["../x", "a/b", ""])
+def test_a_bad_rdzv_id_is_blamed_on_the_run_id_not_the_endpoint(run_id: str) -> None:
+    """``--rdzv-id ../x`` with rdzv-file used to be reported as a bad directory (``path``)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_core import InvalidURLError
+    from rdzv_core.torchrun import handler_url
+
+    params = RendezvousParameters(backend="rdzv-file", endpoint="/tmp/rdzv-x", run_id=run_id,
+                                  min_nodes=1, max_nodes=1)
+    with pytest.raises(InvalidURLError) as info:
+        handler_url("file", params)
+    assert info.value.field == "rdzv_id"

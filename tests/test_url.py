@@ -143,3 +143,19 @@ def test_credentials_for_a_backend_without_auth_are_refused(url: str) -> None:
     with pytest.raises(InvalidURLError) as info:
         parse_backend_url(url)
     assert info.value.field == "user" and "HuntER2x" not in str(info.value)
+
+
+@pytest.mark.parametrize("url, field", [("redis://bob:hun%zzter2@h/run", "password"),
+                                        ("redis://bob:hunter2%@h/run", "password"),
+                                        ("redis://bob:hunter2%ff@h/run", "password"),
+                                        ("redis://b%2@h/run", "username"),
+                                        ("file:///tmp/a%zz/run", "path"),
+                                        ("redis://h/run%g1", "run_id")])
+def test_malformed_percent_escapes_are_refused_naming_the_part(url: str, field: str) -> None:
+    """``urllib.parse.unquote`` keeps a bad ``%zz`` as text and replaces non-UTF-8 bytes: a password
+    would differ from what the user meant, silently. Refused instead, the password not shown."""
+    with pytest.raises(InvalidURLError) as info:
+        parse_url(url)
+    assert info.value.field == field
+    assert "hunter2" not in str(info.value)
+    assert parse_url("redis://bob:100%25%20sure@h/run").password == "100% sure"
