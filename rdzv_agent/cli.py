@@ -69,7 +69,7 @@ from typing import Any, Mapping, Sequence
 from torch.distributed.argparse_util import check_env, env
 
 from rdzv_core.errors import ConfigError, InvalidURLError
-from rdzv_core.url import QUERY_ALIASES, RENDEZVOUS_QUERY_KEYS, parse_url, split_scheme, validate_run_id
+from rdzv_core.url import QUERY_ALIASES, RENDEZVOUS_QUERY_KEYS, parse_url, redact_text, split_scheme, validate_run_id
 
 from .api import DEFAULT_ROLE
 from .streams import Std, parse_std
@@ -428,22 +428,23 @@ def backend_url(backend: str, endpoint: str, run_id: str) -> str:
         validate_run_id(run_id)
     except InvalidURLError as exc:
         raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+    shown = redact_text(endpoint)  # a user may put USER:PASSWORD@ here: never echo the password
     if not endpoint or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in endpoint):
-        raise ConfigError("--rdzv-endpoint", endpoint, "empty, or contains whitespace or control characters")
+        raise ConfigError("--rdzv-endpoint", shown, "empty, or contains whitespace or control characters")
     hosts, _, directory = endpoint.partition("/")
     if hosts and not _HOSTS.fullmatch(hosts):
-        raise ConfigError("--rdzv-endpoint", endpoint, "expected HOST[:PORT][,HOST[:PORT]...] and/or a directory; "
+        raise ConfigError("--rdzv-endpoint", shown, "expected HOST[:PORT][,HOST[:PORT]...] and/or a directory; "
                           "credentials and query keys go in --rdzv URL (or RDZV_URL) and --rdzv-conf")
     segments = [seg for seg in directory.split("/") if seg]
     if any(seg in (".", "..") for seg in segments):
-        raise ConfigError("--rdzv-endpoint", endpoint, "'.' and '..' are not allowed in the directory")
+        raise ConfigError("--rdzv-endpoint", shown, "'.' and '..' are not allowed in the directory")
     url = f"{backend}://{hosts}/" + "".join(urllib.parse.quote(seg, safe="") + "/" for seg in segments) + run_id
     try:
         parsed = parse_url(url)
     except InvalidURLError as exc:
-        raise ConfigError("--rdzv-endpoint", endpoint, f"{exc.field}: {exc.reason}") from None
+        raise ConfigError("--rdzv-endpoint", shown, f"{exc.field}: {exc.reason}") from None
     if (parsed.run_id, parsed.path, dict(parsed.params), parsed.username) != (run_id, "/".join(segments), {}, None):
-        raise ConfigError("--rdzv-endpoint", endpoint, "does not give a URL with exactly this endpoint and run id")
+        raise ConfigError("--rdzv-endpoint", shown, "does not give a URL with exactly this endpoint and run id")
     return url
 
 
@@ -517,15 +518,16 @@ def _static(args: argparse.Namespace) -> StaticRendezvous | None:
             raise ConfigError("--rdzv-conf", f"{key}={value}", "expected a whole number of seconds >= 1")
         timeout = int(value)
     if args.rdzv_endpoint is not None:
+        shown = redact_text(args.rdzv_endpoint)  # never echo a USER:PASSWORD@ given here
         if args.master_addr is not None or args.master_port is not None:
-            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint,
+            raise ConfigError("--rdzv-endpoint", shown,
                               "give either --rdzv-endpoint HOST:PORT or --master-addr/--master-port")
         try:
             parsed = parse_url(f"tcp://{args.rdzv_endpoint}/{run_id}")
         except InvalidURLError as exc:
-            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint, f"{exc.field}: {exc.reason}") from None
+            raise ConfigError("--rdzv-endpoint", shown, f"{exc.field}: {exc.reason}") from None
         if len(parsed.hosts) != 1 or parsed.hosts[0][1] is None or parsed.path or parsed.params or parsed.username:
-            raise ConfigError("--rdzv-endpoint", args.rdzv_endpoint, "the static rendezvous needs one HOST:PORT")
+            raise ConfigError("--rdzv-endpoint", shown, "the static rendezvous needs one HOST:PORT")
         addr, port = parsed.hosts[0]
         return StaticRendezvous(addr, int(port), node_rank, hi, run_id, timeout)  # type: ignore[arg-type]
     addr = _host("--master-addr", args.master_addr) if args.master_addr is not None else STATIC_DEFAULT_ADDR

@@ -67,13 +67,15 @@ class Summary:
             lines.append(f"  run:      {self.run_id}  {self.url}")
         if self.group_rank is not None:
             lines.append(f"  node:     group rank {self.group_rank} of {self.group_world_size} nodes, "
-                         f"world size {self.world_size}")
+                         f"world size {self.world_size} (the last round this node was in)")
         lines.append(f"  restarts: {self.restarts_used} of {self.max_restarts} used on failures, "
                      f"{self.membership_restarts} for membership changes")
         shown = sorted(self.workers.items())[:8]
+        if shown:
+            lines.append("  workers:  the last ones started on this node")
         for i, (rank, (local_rank, code, stopped)) in enumerate(shown):
             status = describe_exit(code) + (" (stopped by the agent)" if stopped and code != 0 else "")
-            lines.append(f"  {'workers:' if i == 0 else '':9} rank {rank} (local {local_rank}): {status}")
+            lines.append(f"{'':11} rank {rank} (local {local_rank}): {status}")
         if len(self.workers) > len(shown):
             lines.append(f"            ... and {len(self.workers) - len(shown)} more")
         if self.failures:

@@ -40,6 +40,7 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 from rdzv_core.errors import ConfigError
+from rdzv_core.outage import OutageLog
 
 from . import master
 from .api import (
@@ -122,7 +123,7 @@ class SimpleElasticAgent(ElasticAgent):
         self._membership_restarts = 0
         self._rendezvous_count = 0
         self._listener = listener
-        self._waiting_check_failures = 0  # failed num_nodes_waiting checks in a row (logged once per outage)
+        self._waiting_check_outage = OutageLog(log.log)  # failed num_nodes_waiting checks: one WARNING each outage
 
     # -- read-only views -------------------------------------------------------------
 
@@ -290,16 +291,11 @@ class SimpleElasticAgent(ElasticAgent):
         role = self._worker_group.spec.role
         try:
             waiting = int(self._worker_group.spec.rdzv_handler.num_nodes_waiting())
-        except RendezvousConnectionError as exc:
-            # WARNING once per outage, DEBUG while it lasts (the monitor asks several times a second)
-            log.log(logging.DEBUG if self._waiting_check_failures else logging.WARNING,
-                    "[%s] cannot check for waiting nodes (the workers keep running): %s", role, exc)
-            self._waiting_check_failures += 1
+        except RendezvousConnectionError as exc:  # the monitor asks several times a second
+            self._waiting_check_outage.failed("[%s] cannot check for waiting nodes (the workers keep running): %s",
+                                              role, exc)
             return 0
-        if self._waiting_check_failures:
-            log.info("[%s] the rendezvous backend answers again after %d failed checks", role,
-                     self._waiting_check_failures)
-            self._waiting_check_failures = 0
+        self._waiting_check_outage.recovered("[%s] the rendezvous backend answers the waiting-node check again", role)
         return waiting
 
     def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:

@@ -35,7 +35,7 @@ __all__ = ["main"]
 def _open(url: str) -> tuple[KVBackend, Rendezvous]:
     info, parsed = parse_backend_url(url)
     kv = info.spec.open(parsed)
-    params = RendezvousParams(min_nodes=1, prefix=parsed.params.get("prefix", "torchelastic/p2p"))
+    params = RendezvousParams.from_query(parsed.params)  # the URL's keep_alive_ttl dates keep-alive refreshes
     return kv, Rendezvous(kv, parsed.run_id, params)
 
 
@@ -134,11 +134,15 @@ def _keep_alive_age(kv: KVBackend, keep_alive_ttl: float, member: dict[str, Any]
 
 
 def _missing_members(state: dict[str, Any]) -> list[str]:
-    """A warning if ranks of a frozen or final round have no live keep-alive key (``[]`` if none).
+    """A warning if ranks of a frozen or final round have no live keep-alive key, or if the run has
+    no state at all (``[]`` if neither).
 
     Transient, so not a problem (exit 0): a member that stalled writes its key again; one that
     died does not, and a node waiting to join then destroys the round (see ``rdzv_core.rendezvous``).
     """
+    if state.get("status") == "absent" and state.get("counter") is None:
+        return ["nothing is stored for this run id at this URL: not started yet, reset, or a mistyped "
+                "URL or run id"]
     world = state.get("participants")
     if state.get("status") not in ("frozen", "final") or not isinstance(world, int):
         return []
@@ -314,7 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = int(args.fn(args))
-        sys.stdout.flush()  # here, so a reader that left is caught below, not at interpreter exit
+        if sys.stdout is not None:  # None when started with stdout closed (`rdzv status URL >&-`)
+            sys.stdout.flush()  # here, so a reader that left is caught below, not at interpreter exit
         return code
     except ConfigError as exc:
         print(f"rdzv: {exc}", file=sys.stderr)

@@ -106,10 +106,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             raise errors.ConfigError(unknown[0], overrides[unknown[0]], f"unknown option; valid: {valid}")
         info, parsed = parse_backend_url(url)
         settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
-        if "min_nodes" not in settings:
-            settings["min_nodes"] = 1
-        param_names = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix")
-        params = RendezvousParams(**{k: settings[k] for k in param_names if k in settings})
+        params = RendezvousParams.from_query(settings)
         try:
             kv = info.spec.open(parsed)
         except errors.BackendUnavailable as exc:

@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import BackendClosed, ConfigError, KeyExists, KeyNotFound
 from .kv import KVBackend
+from .outage import OutageLog
 
 __all__ = ["KeepAlive", "REFRESH_WORKERS", "STOP_WAIT"]
 
@@ -96,7 +97,7 @@ class KeepAlive:
         self.interval = ttl / 3  #: seconds between refreshes
         self.lapsed = threading.Event()
         self.recreated = 0
-        self._failures = 0  # failed refreshes in a row (for logging once per streak)
+        self._outage = OutageLog(log.log)  # one WARNING per streak of failed refreshes
         self._lock = threading.Lock()
         self._stopped = False  # stop() was called
         self._ended = False  # no more refreshes: stopped, backend closed, or lapsed without a value
@@ -165,9 +166,7 @@ class KeepAlive:
         """Refresh the key once; return the wait before the next refresh (seconds), ``None`` to end."""
         try:
             self.kv.refresh(self.key, self.ttl)
-            if self._failures:
-                log.info("keep-alive refresh of %s works again after %d failed attempt(s)", self.key, self._failures)
-                self._failures = 0
+            self._outage.recovered("keep-alive refresh of %s works again", self.key)
             return self.interval
         except KeyNotFound:
             self.lapsed.set()
@@ -180,11 +179,9 @@ class KeepAlive:
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
             wait = random.uniform(0.25, 0.5) * self.interval
-            # WARNING once per streak of failures (a server down for a minute is one line, not hundreds)
-            log.log(logging.DEBUG if self._failures else logging.WARNING,
-                    "keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
-                    self.key, wait, exc)
-            self._failures += 1
+            # a server down for a minute is one WARNING line, not hundreds
+            self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
+                                self.key, wait, exc)
             return wait
 
     def _recreate(self) -> float | None:

@@ -51,7 +51,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from .errors import (
     BackendClosed,
@@ -67,6 +67,7 @@ from .errors import (
 )
 from .kv import Entry, KVBackend, escape_segment, join_key, parse_counter, wait_for_change
 from .keepalive import KeepAlive
+from .outage import OutageLog
 from .url import validate_run_id
 
 __all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress"]
@@ -110,6 +111,17 @@ class RendezvousParams:
     last_call_timeout: float = 30.0
     keep_alive_ttl: float = 5.0
     prefix: str = "torchelastic/p2p"
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
+        """The parameters a URL's parsed query gives (``RendezvousURL.params``, canonical
+        key names); other keys are ignored, ``min_nodes`` is 1 when absent.
+
+        Raises:
+            ConfigError: a value is out of range (names the field and value).
+        """
+        fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix")
+        return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
         if self.max_nodes is None:
@@ -256,13 +268,16 @@ class Rendezvous:
             deadline = time.monotonic() + self.params.timeout
             backoff = _Backoff()
             last_error: BackendUnavailable | None = None
+            outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
             while time.monotonic() < deadline:
                 try:
                     result = self._attempt(deadline)
+                    outage.recovered("backend reachable again")
                     self.current = result
                     self._log(logging.INFO, "round complete: world size %d", result.world_size)
                     return result
                 except _Retry as retry:
+                    outage.recovered("backend reachable again")
                     self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
                     self._stop_keepalive(delete=True)
                     if retry.delay:
@@ -272,7 +287,7 @@ class Rendezvous:
                     raise RendezvousStateError(f"run {self.run_id}: {exc}{remedy}", exc.key) from exc
                 except BackendUnavailable as exc:
                     last_error = exc
-                    self._log(logging.WARNING, "backend unavailable, retrying until the deadline: %s", exc)
+                    outage.failed("backend unavailable, retrying until the deadline: %s", exc)
                     self._stop_keepalive(delete=False)
                     backoff.sleep(deadline)
             if last_error is not None:

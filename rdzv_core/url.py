@@ -27,6 +27,7 @@ __all__ = [
     "RendezvousURL",
     "parse_url",
     "split_scheme",
+    "redact_text",
     "RENDEZVOUS_QUERY_KEYS",
     "QUERY_ALIASES",
     "validate_run_id",
@@ -220,16 +221,16 @@ def split_scheme(url: str) -> tuple[str, str]:
     if not isinstance(url, str):
         raise InvalidURLError("url", type(url).__name__, "a rendezvous URL is a str")
     if any(ord(c) < 32 or ord(c) == 127 for c in url):
-        raise InvalidURLError("url", _redact_text(url), "contains control characters")
+        raise InvalidURLError("url", redact_text(url), "contains control characters")
     scheme, sep, rest = url.partition("://")
     if not sep:
-        raise InvalidURLError("url", _redact_text(url), "expected SCHEME://HOSTS/RUN_ID")
+        raise InvalidURLError("url", redact_text(url), "expected SCHEME://HOSTS/RUN_ID")
     scheme = scheme.lower()
     if not _SCHEME.fullmatch(scheme):
         raise InvalidURLError("scheme", scheme, "not a URL scheme")
-    rest, _, fragment = rest.partition("#")
-    if fragment:
-        raise InvalidURLError("url", _redact_text(url), "fragments ('#...') are not allowed")
+    rest, fragment, _ = rest.partition("#")
+    if fragment:  # even an empty one: "#" is not part of any URL this parses
+        raise InvalidURLError("url", redact_text(url), "fragments ('#...') are not allowed")
     return scheme, rest
 
 
@@ -324,7 +325,7 @@ def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:
 _SECRET_KEY = re.compile(r"pass|secret|token|auth|cred|key$", re.IGNORECASE)
 
 
-def _redact_text(url: str) -> str:
+def redact_text(url: str) -> str:
     """``url`` with any ``user:password@`` password replaced by ``***`` -- also in text that is not
     a well-formed URL (``redis:/u:pw@h/x``, ``u:pw@h/x``), which error messages echo."""
     return re.sub(r"([^/@:]*:)[^/@]*@", r"\1***@", url)

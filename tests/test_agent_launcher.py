@@ -301,6 +301,18 @@ def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     assert len(err.strip().splitlines()) == 1 and err.startswith("rdzv-run: error:")
 
 
+@pytest.mark.parametrize("argv", [
+    ["--rdzv-backend", "redis", "--rdzv-endpoint", "u:hunter2@127.0.0.1:6379", "--rdzv-id", "job"],
+    ["--rdzv-backend", "redis", "--rdzv-endpoint", "u:hunter2@127.0.0.1:99999", "--rdzv-id", "job"],
+    ["--rdzv-backend", "static", "--rdzv-endpoint", "u:hunter2@127.0.0.1:99999"],
+])
+def test_a_password_in_rdzv_endpoint_is_not_echoed(argv, capsys):
+    """--rdzv-endpoint takes no credentials (they go in --rdzv URL); refusing them must not print them."""
+    assert main([*argv, "--nproc-per-node", "1", WORKER]) == 2
+    err = capsys.readouterr().err
+    assert "--rdzv-endpoint" in err and "hunter2" not in err, err
+
+
 @pytest.mark.parametrize("url, shown", [("nonsense", "'nonsense':"),
                                         ("redis://u:hunter2@h/run#x", "'redis://u:***@h/run#x':")])
 def test_a_malformed_url_is_echoed_as_given(url, shown, capsys):

@@ -37,7 +37,12 @@ def test_status_close_reset_on_a_live_run(tmp_path) -> None:
     assert _rdzv("close", url, "--yes").returncode == 0
     assert member.is_closed()
     assert _rdzv("reset", url, "--yes").returncode == 0
-    assert json.loads(_rdzv("status", url, "--json").stdout)["status"] == "absent"
+    after_reset = _rdzv("status", url, "--json")
+    assert after_reset.returncode == 0
+    gone = json.loads(after_reset.stdout)
+    assert gone["status"] == "absent" and gone["counter"] is None
+    assert len(gone["warnings"]) == 1, gone  # nothing stored: started yet? a typo in the URL or run id?
+    assert status["warnings"] == []  # a live run has none
     member.leave()
     kv.close()
 
@@ -161,6 +166,18 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
         proc.stdout.close()  # long before the command has imported anything and written
         err = proc.stderr.read()
         assert proc.wait(60) == 141 and err == b"", err
+
+
+def test_started_with_stdout_closed_gives_no_traceback() -> None:
+    """``rdzv backends >&-``: ``sys.stdout`` is None; the output is lost, the exit status is the command's."""
+    import os
+
+    def close_stdout() -> None:
+        os.close(1)
+
+    proc = subprocess.run([sys.executable, "-m", "rdzv_core.cli", "backends"], stdout=None, stderr=subprocess.PIPE,
+                          preexec_fn=close_stdout, timeout=60)
+    assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
 
 
 def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> None:

@@ -57,6 +57,7 @@ def test_password_never_shown() -> None:
         ("etcd://h/a%00b", "run_id"),
         ("etcd://h/" + "r" * 129, "run_id"),
         ("etcd://h/r%0A", "run_id"),
+        ("etcd://h/run#", "url"),
         ("etcd://h:0/run", "port"),
         ("etcd://h:http/run", "port"),
         ("etcd://[::1/run", "host"),
