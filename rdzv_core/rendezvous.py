@@ -261,7 +261,8 @@ class Rendezvous:
             RendezvousClosed: the run is closed.
             RendezvousTimeout: no round within ``params.timeout`` seconds.
             RendezvousStateError: the stored round record is corrupt.
-            BackendUnavailable: the backend stayed unreachable until the deadline.
+            BackendUnavailable: the backend was unreachable at the deadline (the last
+                attempt failed on it; if it answered since, the timeout is raised instead).
         """
         with self._lock:
             self.leave()
@@ -278,6 +279,7 @@ class Rendezvous:
                     return result
                 except _Retry as retry:
                     outage.recovered("backend reachable again")
+                    last_error = None  # reachable again: running out of time now is a timeout
                     self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
                     self._stop_keepalive(delete=True)
                     if retry.delay:

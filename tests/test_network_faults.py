@@ -250,6 +250,35 @@ def test_next_rendezvous_succeeds_once_the_network_is_back(
     assert second[0].version > first[0].version
 
 
+def test_a_round_that_times_out_after_an_outage_ended_raises_the_timeout(
+        scheme: str, proxy: TCPProxy, clients, record_property) -> None:
+    """A lone node (min_nodes 2) starts into a 1.5 s drop, then the network is back but no peer comes:
+    ``next_round`` raises ``RendezvousTimeout`` at its deadline, not the outage's stale ``BackendUnavailable``."""
+    from rdzv_core import Rendezvous, RendezvousTimeout
+
+    timeout = 5.0
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=1.0, timeout=timeout)
+    node = Rendezvous(clients(), f"netfaults{uuid.uuid4().hex[:10]}", params)
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            node.next_round()
+        except BaseException as exc:  # judged below
+            outcome.append(exc)
+
+    proxy.set_mode(Mode.DROP)
+    thread = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    _sleep_until(t0 + 1.5)
+    proxy.set_mode(Mode.PASS)
+    thread.join(timeout + LIMIT + MARGIN)
+    record_property("ended_s", round(time.monotonic() - t0, 2))
+    assert not thread.is_alive(), "next_round outlived its timeout"
+    assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeout), outcome
+
+
 def recovery_bound(scheme: str, ttl: float) -> float:
     """Seconds from ``pass`` to the next round: a client's failing call (``operation_timeout``) and
     backoff (1 s at most), the old round's keep-alive keys lapsing (``ttl + ttl_resolution``), a
