@@ -267,7 +267,7 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
             code, outcome = EXIT_FAILURE, f"rendezvous failed: {type(exc).__name__}: {exc}"
         except SignalException as exc:
             close = False
-            code, outcome = 128 + exc.signum, f"interrupted: {exc}; workers stopped, the run left open for the other nodes"
+            code, outcome = 128 + exc.signum, f"interrupted: {exc}; workers stopped, the run left open for the others"
         except OSError as exc:
             code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
     finally:  # also when something unexpected propagates (then the run is closed, as torchrun does)

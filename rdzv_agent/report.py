@@ -73,7 +73,7 @@ class Summary:
         shown = sorted(self.workers.items())[:8]
         if shown:
             lines.append("  workers:  the last ones started on this node")
-        for i, (rank, (local_rank, code, stopped)) in enumerate(shown):
+        for rank, (local_rank, code, stopped) in shown:
             status = describe_exit(code) + (" (stopped by the agent)" if stopped and code != 0 else "")
             lines.append(f"{'':11} rank {rank} (local {local_rank}): {status}")
         if len(self.workers) > len(shown):

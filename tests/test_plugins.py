@@ -26,7 +26,8 @@ def _plugin(*schemes: str):
         @staticmethod
         @hookimpl
         def rdzv_register_backends():
-            return [BackendSpec(schemes=schemes, open=lambda url: MemoryBackend(), capabilities=MemoryBackend.capabilities)]
+            return [BackendSpec(schemes=schemes, open=lambda url: MemoryBackend(),
+                                capabilities=MemoryBackend.capabilities)]
 
     return Plugin
 
