@@ -318,8 +318,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = int(args.fn(args))
-        if sys.stdout is not None:  # None when started with stdout closed (`rdzv status URL >&-`)
-            sys.stdout.flush()  # here, so a reader that left is caught below, not at interpreter exit
+        if sys.stdout is None:  # started with stdout closed (`rdzv status URL >&-`): print() wrote nothing
+            print("rdzv: standard output is closed: the command's output was lost", file=sys.stderr)
+            return max(code, 1)
+        sys.stdout.flush()  # here, so a reader that left is caught below, not at interpreter exit
         return code
     except ConfigError as exc:
         print(f"rdzv: {exc}", file=sys.stderr)

@@ -142,6 +142,16 @@ class RendezvousParams:
 
 
 @dataclass(frozen=True)
+class _Held:
+    """The round this node holds a ticket in, while ``next_round`` runs (see ``Rendezvous._held``)."""
+
+    version: int
+    rid: str | None
+    ticket: int
+    confirmed: bool = False
+
+
+@dataclass(frozen=True)
 class RoundResult:
     """A completed round: ``version`` (int), this node's ``rank`` and the ``world_size``.
 
@@ -248,6 +258,10 @@ class Rendezvous:
         self._stall = _Stall()
         self._lock = threading.Lock()
         self.current: RoundResult | None = None
+        # The round this node took a ticket in during the current next_round(): (version, round id,
+        # ticket, confirmed). Kept across a BackendUnavailable, so the retry resumes with the same
+        # ticket instead of joining (and confirming) a second time; dropped when the attempt ends.
+        self._held: _Held | None = None
 
     # -- public API ---------------------------------------------------------
     def next_round(self) -> RoundResult:
@@ -274,6 +288,7 @@ class Rendezvous:
                 try:
                     result = self._attempt(deadline)
                     outage.recovered("backend reachable again")
+                    self._held = None
                     self.current = result
                     self._log(logging.INFO, "round complete: world size %d", result.world_size)
                     return result
@@ -281,10 +296,12 @@ class Rendezvous:
                     outage.recovered("backend reachable again")
                     last_error = None  # reachable again: running out of time now is a timeout
                     self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
+                    self._held = None  # that round is given up: a new attempt takes a new ticket
                     self._stop_keepalive(delete=True)
                     if retry.delay:
                         backoff.sleep(deadline)
                 except CorruptEntry as exc:
+                    self._held = None
                     remedy = "; reset the run's state (rdzv reset URL)" if exc.key is not None else ""
                     raise RendezvousStateError(f"run {self.run_id}: {exc}{remedy}", exc.key) from exc
                 except BackendUnavailable as exc:
@@ -302,6 +319,7 @@ class Rendezvous:
     def leave(self) -> None:
         """Leave the current round: stop the keep-alive and delete its key (the run stays open)."""
         self._stop_keepalive(delete=True)
+        self._held = None
         self.current = None
 
     def is_closed(self) -> bool:
@@ -400,6 +418,12 @@ class Rendezvous:
             )
         if status == JOINABLE:
             return self._join(state["version"], state.get("id"), deadline)
+        held = self._held
+        if held is not None and status in (FROZEN, FINAL) and _same_round(state, held.version, held.rid):
+            world = _int_field(state, "participants", self._state_key)
+            if held.ticket <= world and (status == FROZEN or held.confirmed):
+                # a backend error interrupted this node after it joined (or confirmed): carry on as that member
+                return self._confirm(held.version, held.rid, held.ticket - 1, world, deadline)
         if status == FINAL:
             self._wait_as_late_node(entry, state, deadline)
             raise _Retry("final round changed")
@@ -453,11 +477,20 @@ class Rendezvous:
 
         ``(version, rid)`` identify the round (``rid`` is the record's ``id``); every
         later phase checks both, so a round recreated under the same version after
-        the run's keys were lost is never taken for this one.
+        the run's keys were lost is never taken for this one. A node resumed by
+        :meth:`next_round` after a backend error keeps the ticket it took (the seed
+        would join again and count itself twice: a lone waiting node froze a round
+        of 2 with itself as both members).
         """
         p = self.params
-        ticket = self._add(self._vkey(version, "joined"))
-        self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
+        held = self._held
+        if held is not None and (held.version, held.rid) == (version, rid):
+            ticket = held.ticket  # joined before a backend error: the ticket is still ours
+            self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
+        else:
+            ticket = self._add(self._vkey(version, "joined"))
+            self._held = _Held(version, rid, ticket)
+            self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
         if ticket == p.max_nodes:
             self._freeze(version, rid, p.max_nodes, deadline)
         elif ticket == p.min_nodes:
@@ -559,8 +592,10 @@ class Rendezvous:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final.
 
         After the seed's ``confirm_phase``: two writes per member (its keep-alive key
-        and the ``confirmed`` counter). While waiting for the others, members destroy
-        the round if confirmations stall (:meth:`_check_frozen_stall`).
+        and the ``confirmed`` counter; the counter once per member and round, also when
+        a backend error interrupted this node and :meth:`next_round` resumed it). While
+        waiting for the others, members destroy the round if confirmations stall
+        (:meth:`_check_frozen_stall`).
         """
         ttl = self.params.keep_alive_ttl
         alive_key = self._vkey(version, "alive", f"rank_{rank}")
@@ -570,7 +605,16 @@ class Rendezvous:
         self._keepalive = KeepAlive(
             self.kv, alive_key, ttl, value=_encode(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
         )
-        if self._add(self._vkey(version, "confirmed")) == world:
+        held = self._held
+        if held is not None and held.confirmed and (held.version, held.rid) == (version, rid):
+            # resumed after a backend error: counted already (or maybe: the add's answer was lost).
+            # Never count twice -- a confirmation that was lost stalls the round, which is destroyed
+            # after keep_alive_ttl; one counted twice would make it final without a member.
+            confirmed = self._counter(self._vkey(version, "confirmed"))
+        else:
+            self._held = _Held(version, rid, rank + 1, confirmed=True)
+            confirmed = self._add(self._vkey(version, "confirmed"))
+        if confirmed == world:
             while time.monotonic() < deadline:
                 entry, state = self._read_state()
                 if entry is None or state is None or state["status"] != FROZEN or not _same_round(state, version, rid):

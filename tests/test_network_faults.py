@@ -26,6 +26,7 @@ Expected, per test:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -277,6 +278,92 @@ def test_a_round_that_times_out_after_an_outage_ended_raises_the_timeout(
     record_property("ended_s", round(time.monotonic() - t0, 2))
     assert not thread.is_alive(), "next_round outlived its timeout"
     assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeout), outcome
+
+
+def test_a_node_interrupted_while_waiting_keeps_its_ticket(
+        scheme: str, proxy: TCPProxy, clients, caplog: pytest.LogCaptureFixture) -> None:
+    """A lone node waits in a joinable round (min = max = 2); its connection drops, then comes back: it
+    resumes with the ticket it had (the round still counts 1 joined), and a second node then forms a round
+    of 2 with it (ranks 0 and 1). Before the fix it joined again: ticket 2 froze a round of itself twice."""
+    from rdzv_core import Rendezvous
+
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=2.0, last_call_timeout=0.5, timeout=60)
+    run_id = f"netfaults{uuid.uuid4().hex[:10]}"
+    observer = Rendezvous(clients(direct=True), run_id, params)
+    first = Agent(clients(), run_id, params)
+    caplog.set_level("INFO", logger="rdzv_core.rendezvous")
+
+    def records(level: int) -> list[int]:
+        return [i for i, r in enumerate(caplog.records) if r.name == "rdzv_core.rendezvous" and r.levelno == level]
+
+    def until(condition: Callable[[], bool], timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while not condition() and time.monotonic() < end:
+            first.done.wait(0.05)
+        return condition()
+
+    first.start()
+    assert until(lambda: observer.describe().get("joined") == 1, 30), observer.describe()
+    proxy.set_mode(Mode.DROP)
+    assert until(lambda: bool(records(logging.WARNING)), 30), "the node never saw the backend fail"
+    failed_at = records(logging.WARNING)[0]
+    proxy.set_mode(Mode.PASS)
+    # the node's next attempt reads the round and joins (or resumes): an INFO record after the failure
+    assert until(lambda: any(i > failed_at for i in records(logging.INFO)), 30), "no attempt after the outage"
+    state = observer.describe()
+    assert (state["status"], state["joined"]) == ("joinable", 1), state
+    second = Agent(clients(direct=True), run_id, params).start()
+    results = [first.wait(30), second.wait(30)]
+    assert sorted(r.rank for r in results) == [0, 1]
+    assert {(r.version, r.world_size) for r in results} == {(state["version"], 2)}
+
+
+class _HeldConfirmation:
+    """A real client whose first ``add`` to a ``.../confirmed`` counter waits for :attr:`release`."""
+
+    def __init__(self, kv: KVBackend) -> None:
+        self._kv = kv
+        self.waiting, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def add(self, key: str, delta: int) -> int:
+        if key.endswith("/confirmed") and not self.release.is_set():
+            self.waiting.set()
+            self.release.wait(60)
+        return self._kv.add(key, delta)
+
+
+def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
+        scheme: str, proxy: TCPProxy, clients, caplog: pytest.LogCaptureFixture) -> None:
+    """Two nodes; B's confirmation is held back, A confirms and waits for the final record; A's connection
+    drops and comes back. A must resume as the member it is, without confirming again (a second count would
+    make the round final with B unconfirmed); once B confirms, both hold ranks of one round of 2."""
+    from rdzv_core import Rendezvous
+
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=3.0, last_call_timeout=0.5, timeout=60)
+    run_id = f"netfaults{uuid.uuid4().hex[:10]}"
+    slow = _HeldConfirmation(clients(direct=True))
+    a, b = Agent(clients(), run_id, params), Agent(slow, run_id, params)  # type: ignore[arg-type]
+    caplog.set_level("WARNING", logger="rdzv_core.rendezvous")
+    a.start(), b.start()
+    assert slow.waiting.wait(30), "B never reached its confirmation"
+    observer = Rendezvous(clients(direct=True), run_id, params)
+    end = time.monotonic() + 30  # A confirms next: its keep-alive key appears
+    while not observer.describe().get("alive") and time.monotonic() < end:
+        a.done.wait(0.05)
+    assert observer.describe().get("alive"), "A never confirmed"
+    proxy.set_mode(Mode.DROP)
+    end = time.monotonic() + 30
+    while not any(r.name == "rdzv_core.rendezvous" for r in caplog.records) and time.monotonic() < end:
+        a.done.wait(0.05)  # until A saw the backend fail
+    proxy.set_mode(Mode.PASS)
+    assert not a.done.wait(2.0), f"A finished while B's confirmation was held: {a.result or a.error}"
+    slow.release.set()
+    results = [a.wait(30), b.wait(30)]
+    assert sorted(r.rank for r in results) == [0, 1]
+    assert len({(r.version, r.round_id, r.world_size) for r in results}) == 1 and results[0].world_size == 2
 
 
 def recovery_bound(scheme: str, ttl: float) -> float:
