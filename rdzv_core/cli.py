@@ -79,7 +79,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         for member in state.get("alive", []):
             _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
     state["problems"] = [problem] if problem else []
-    state["warnings"] = _missing_members(state)
+    state["warnings"] = _status_warnings(state)
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
@@ -133,9 +133,9 @@ def _keep_alive_age(kv: KVBackend, keep_alive_ttl: float, member: dict[str, Any]
         member["keep_alive_age"] = round(max(0.0, keep_alive_ttl - left), 3)
 
 
-def _missing_members(state: dict[str, Any]) -> list[str]:
-    """A warning if ranks of a frozen or final round have no live keep-alive key, or if the run has
-    no state at all (``[]`` if neither).
+def _status_warnings(state: dict[str, Any]) -> list[str]:
+    """``rdzv status``'s warnings: ranks of a frozen or final round without a live keep-alive key,
+    or a run with no state at all (``[]`` if neither).
 
     Transient, so not a problem (exit 0): a member that stalled writes its key again; one that
     died does not, and a node waiting to join then destroys the round (see ``rdzv_core.rendezvous``).

@@ -260,7 +260,8 @@ class Rendezvous:
         self.current: RoundResult | None = None
         # The round this node took a ticket in during the current next_round(): (version, round id,
         # ticket, confirmed). Kept across a BackendUnavailable, so the retry resumes with the same
-        # ticket instead of joining (and confirming) a second time; dropped when the attempt ends.
+        # ticket instead of joining (and confirming) a second time; dropped on a _Retry and when
+        # next_round returns or raises.
         self._held: _Held | None = None
 
     # -- public API ---------------------------------------------------------
@@ -280,46 +281,49 @@ class Rendezvous:
         """
         with self._lock:
             self.leave()
-            deadline = time.monotonic() + self.params.timeout
-            backoff = _Backoff()
-            last_error: BackendUnavailable | None = None
-            outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
-            while time.monotonic() < deadline:
-                try:
-                    result = self._attempt(deadline)
-                    outage.recovered("backend reachable again")
-                    self._held = None
-                    self.current = result
-                    self._log(logging.INFO, "round complete: world size %d", result.world_size)
-                    return result
-                except _Retry as retry:
-                    outage.recovered("backend reachable again")
-                    last_error = None  # reachable again: running out of time now is a timeout
-                    self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
-                    self._held = None  # that round is given up: a new attempt takes a new ticket
-                    self._stop_keepalive(delete=True)
-                    if retry.delay:
-                        backoff.sleep(deadline)
-                except CorruptEntry as exc:
-                    self._held = None
-                    remedy = "; reset the run's state (rdzv reset URL)" if exc.key is not None else ""
-                    raise RendezvousStateError(f"run {self.run_id}: {exc}{remedy}", exc.key) from exc
-                except BackendUnavailable as exc:
-                    last_error = exc
-                    outage.failed("backend unavailable, retrying until the deadline: %s", exc)
-                    self._stop_keepalive(delete=False)
+            try:
+                return self._rounds_until(time.monotonic() + self.params.timeout)
+            finally:
+                self._held = None  # a ticket is held only while next_round runs
+
+    def _rounds_until(self, deadline: float) -> RoundResult:
+        """:meth:`next_round`'s retry loop: attempts until one completes or ``deadline`` passes."""
+        backoff = _Backoff()
+        last_error: BackendUnavailable | None = None
+        outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
+        while time.monotonic() < deadline:
+            try:
+                result = self._attempt(deadline)
+                outage.recovered("backend reachable again")
+                self.current = result
+                self._log(logging.INFO, "round complete: world size %d", result.world_size)
+                return result
+            except _Retry as retry:
+                outage.recovered("backend reachable again")
+                last_error = None  # reachable again: running out of time now is a timeout
+                self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
+                self._held = None  # that round is given up: a new attempt takes a new ticket
+                self._stop_keepalive(delete=True)
+                if retry.delay:
                     backoff.sleep(deadline)
-            if last_error is not None:
-                raise last_error
-            raise RendezvousTimeout(
-                f"run {self.run_id}: no round completed within {self.params.timeout} s "
-                f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
-            )
+            except CorruptEntry as exc:
+                remedy = "; reset the run's state (rdzv reset URL)" if exc.key is not None else ""
+                raise RendezvousStateError(f"run {self.run_id}: {exc}{remedy}", exc.key) from exc
+            except BackendUnavailable as exc:
+                last_error = exc
+                outage.failed("backend unavailable, retrying until the deadline: %s", exc)
+                self._stop_keepalive(delete=False)  # the round's ticket stays held: the retry resumes it
+                backoff.sleep(deadline)
+        if last_error is not None:
+            raise last_error
+        raise RendezvousTimeout(
+            f"run {self.run_id}: no round completed within {self.params.timeout} s "
+            f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
+        )
 
     def leave(self) -> None:
         """Leave the current round: stop the keep-alive and delete its key (the run stays open)."""
         self._stop_keepalive(delete=True)
-        self._held = None
         self.current = None
 
     def is_closed(self) -> bool:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 
+from agent_workers.harness import wait_until
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 
@@ -72,12 +72,9 @@ def test_a_backend_outage_during_next_round_is_one_warning(rdzv_server_redis, ca
         result: list[object] = []
         thread = threading.Thread(target=lambda: result.append(node.next_round()))
         thread.start()
-        failed = [r for r in caplog.records if r.name == "rdzv_core.rendezvous"]
-        end = time.monotonic() + 30
-        while len(failed) < 5 and time.monotonic() < end:  # five failed attempts (nothing else logs meanwhile)
-            thread.join(0.05)
-            failed = [r for r in caplog.records if r.name == "rdzv_core.rendezvous"
-                      and r.levelno in (logging.WARNING, logging.DEBUG)]
+        wait_until(lambda: len([r for r in caplog.records if r.name == "rdzv_core.rendezvous"
+                                and r.levelno in (logging.WARNING, logging.DEBUG)]) >= 5,
+                   30, "five failed attempts (nothing else logs meanwhile)")
         proxy.set_mode(Mode.PASS)
         thread.join(30)
         node.leave()

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
+from agent_workers.harness import wait_until
 from conformance_tests.proxy import Mode, TCPProxy
 from conformance_tests.test_rendezvous import Agent, round_of
 from conformance_tests.plugin import backends_opened
@@ -296,20 +297,15 @@ def test_a_node_interrupted_while_waiting_keeps_its_ticket(
     def records(level: int) -> list[int]:
         return [i for i, r in enumerate(caplog.records) if r.name == "rdzv_core.rendezvous" and r.levelno == level]
 
-    def until(condition: Callable[[], bool], timeout: float) -> bool:
-        end = time.monotonic() + timeout
-        while not condition() and time.monotonic() < end:
-            first.done.wait(0.05)
-        return condition()
-
     first.start()
-    assert until(lambda: observer.describe().get("joined") == 1, 30), observer.describe()
+    wait_until(lambda: observer.describe().get("joined") == 1, 30, "the node to join",
+               lambda: str(observer.describe()))
     proxy.set_mode(Mode.DROP)
-    assert until(lambda: bool(records(logging.WARNING)), 30), "the node never saw the backend fail"
+    wait_until(lambda: records(logging.WARNING), 30, "the node to see the backend fail")
     failed_at = records(logging.WARNING)[0]
     proxy.set_mode(Mode.PASS)
     # the node's next attempt reads the round and joins (or resumes): an INFO record after the failure
-    assert until(lambda: any(i > failed_at for i in records(logging.INFO)), 30), "no attempt after the outage"
+    wait_until(lambda: any(i > failed_at for i in records(logging.INFO)), 30, "an attempt after the outage")
     state = observer.describe()
     assert (state["status"], state["joined"]) == ("joinable", 1), state
     second = Agent(clients(direct=True), run_id, params).start()
@@ -350,14 +346,10 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
     a.start(), b.start()
     assert slow.waiting.wait(30), "B never reached its confirmation"
     observer = Rendezvous(clients(direct=True), run_id, params)
-    end = time.monotonic() + 30  # A confirms next: its keep-alive key appears
-    while not observer.describe().get("alive") and time.monotonic() < end:
-        a.done.wait(0.05)
-    assert observer.describe().get("alive"), "A never confirmed"
+    wait_until(lambda: observer.describe().get("alive"), 30, "A to confirm (its keep-alive key appears)")
     proxy.set_mode(Mode.DROP)
-    end = time.monotonic() + 30
-    while not any(r.name == "rdzv_core.rendezvous" for r in caplog.records) and time.monotonic() < end:
-        a.done.wait(0.05)  # until A saw the backend fail
+    wait_until(lambda: any(r.name == "rdzv_core.rendezvous" for r in caplog.records), 30,
+               "A to see the backend fail")
     proxy.set_mode(Mode.PASS)
     assert not a.done.wait(2.0), f"A finished while B's confirmation was held: {a.result or a.error}"
     slow.release.set()
