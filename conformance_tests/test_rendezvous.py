@@ -357,3 +357,108 @@ def test_a_run_id_that_could_escape_its_prefix_is_refused(kv, run_id: str) -> No
     with pytest.raises(InvalidURLError) as info:
         Rendezvous(kv, run_id, RendezvousParams(min_nodes=1))
     assert info.value.field == "run_id"
+
+
+# -- membership rules: lapse detection by members, spares, finished members ------------------------------------
+
+
+def _until_true(check: Callable[[], bool], timeout: float, what: str) -> float:
+    """Poll ``check`` every 20 ms; the seconds it took, or fail after ``timeout``."""
+    t0 = time.monotonic()
+    while not check():
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout:.1f} s"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_members_notice_a_lost_member_without_a_waiting_node(agents, capabilities) -> None:
+    """A member dies without leaving (its client closed: no delete, the key lapses); no node waits to join.
+
+    Expected: the other members' ``num_nodes_waiting()`` turn >= 1 within about the TTL plus the
+    backend's expiry resolution -- their own watch of the round's keep-alive keys destroyed it -- so
+    their agents re-form; then they form a round of 2. (The seed left this to waiting nodes: with
+    none, the survivors trained on with a dead peer until their collectives timed out.)
+    """
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(group)
+    _assert_round(r1, 3)
+    lost, *survivors = group
+    lost.kv.close()  # a host lost without warning: its keep-alive stops, its key is left to lapse
+    took = _until_true(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in survivors),
+                       TTL + capabilities.ttl_resolution + 3.0, "the survivors noticed the lost member")
+    assert took >= 0.5 * TTL  # a lapse, not a false alarm at first sight
+    for a in survivors:
+        a.start()
+    results = _wait_all(survivors)
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+
+
+def test_a_member_that_leaves_is_noticed_at_once(agents) -> None:
+    """A member leaves cleanly (deletes its key): the others see ``num_nodes_waiting() >= 1`` well within the TTL."""
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    _assert_round(_wait_all(group), 3)
+    group[0].rdzv.leave()
+    _until_true(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in group[1:]), 20 * TTL,
+                "the others noticed the member that left")
+
+
+def test_a_spare_does_not_disturb_a_full_round_and_takes_a_lost_place(agents, kv_factory) -> None:
+    """``max_nodes`` members train; a third node arrives: it is counted as waiting but the members'
+    ``num_nodes_waiting()`` stay 0 (no restart storm). A member is lost: the spare takes its place."""
+    members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    r1 = _wait_all(members)
+    spare = agents(1, min_nodes=2, max_nodes=2, timeout=2 * TTL)[0].start()
+    _until_true(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3 * TTL:  # longer than the spare's own timeout: a spare does not time out
+        assert [m.rdzv.num_nodes_waiting() for m in members] == [0, 0]
+        assert not spare.done.is_set(), f"the spare ended: {spare.result} {spare.error!r}"
+        time.sleep(0.05)
+    lost, survivor = members
+    lost.kv.close()
+    _until_true(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
+    results = _wait_all([survivor.start(), spare])
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+
+
+def test_a_spare_exits_gracefully_when_the_run_closes(agents) -> None:
+    from rdzv_core import RendezvousGracefulExit
+
+    members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    _wait_all(members)
+    spare = agents(1, min_nodes=2, max_nodes=2)[0].start()
+    _until_true(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    members[0].rdzv.set_closed()
+    with pytest.raises(RendezvousGracefulExit):
+        spare.wait(20 * TTL)
+
+
+def test_a_finished_member_leaves_without_breaking_the_round(agents) -> None:
+    """A member whose work is done leaves with ``finished``: the others and a spare carry on in the round."""
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(group)
+    before = group[1].rdzv.describe()
+    group[0].rdzv.leave(finished=True)
+    spare = agents(1, min_nodes=2, max_nodes=3)[0].start()
+    _until_true(lambda: group[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    time.sleep(3 * TTL)  # what is asserted is that nothing happens: the key would have lapsed by now
+    after = group[1].rdzv.describe()
+    assert (after["status"], after["version"], after.get("id")) == ("final", r1[0].version, before.get("id"))
+    assert [a.rdzv.num_nodes_waiting() for a in group[1:]] == [0, 0]
+    assert not spare.done.is_set()
+    assert any(m.get("finished") for m in after["alive"])
+
+
+def test_others_carry_on_once_the_round_re_formed_without_this_node(agents) -> None:
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    _assert_round(_wait_all(group), 3)
+    assert [a.rdzv.others_carry_on() for a in group] == [False, False, False]
+    left_behind, *others = group
+    others[0].start()  # leaves the round (its key is deleted) and joins the next one
+    _until_true(lambda: others[1].rdzv.num_nodes_waiting() >= 1, 20 * TTL, "told to re-form")
+    others[1].start()
+    _assert_round(_wait_all(others), 2)
+    assert left_behind.rdzv.others_carry_on()
+    assert [a.rdzv.others_carry_on() for a in others] == [False, False]

@@ -142,17 +142,22 @@ class Worker:
         id: what identifies the worker to its agent (the pid for the local agent),
             ``None`` until started.
         local_rank: rank among this node's workers (stable).
-        global_rank: rank among all workers of the role; changes between rounds.
-        world_size: number of workers of the role in the current round.
+        global_rank: rank among all workers of the job (``RANK``); changes between rounds.
+        role_rank: rank among the workers of its role (``ROLE_RANK``).
+        world_size: number of workers in the current round (``WORLD_SIZE``: the sum of
+            every node's local world size).
+        role_world_size: number of workers of its role in the round (``ROLE_WORLD_SIZE``).
     """
 
-    __slots__ = ["id", "local_rank", "global_rank", "world_size"]
+    __slots__ = ["id", "local_rank", "global_rank", "role_rank", "world_size", "role_world_size"]
 
     def __init__(self, local_rank: int) -> None:
         self.id: Any = None
         self.local_rank: int = local_rank
         self.global_rank: int | None = None
+        self.role_rank: int | None = None
         self.world_size: int | None = None
+        self.role_world_size: int | None = None
 
     def __repr__(self) -> str:
         return (

@@ -83,6 +83,11 @@ __all__ = [
 URL_ENV = "RDZV_URL"
 
 DEFAULT_MONITOR_INTERVAL = 0.5
+#: torchrun's ``--shutdown-timeout`` default and the variable that overrides it.
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+SHUTDOWN_TIMEOUT_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+#: torch's ``exit_barrier_timeout`` (torchrun has no flag for it).
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 
 #: torchrun's ``--start-method`` values (all mean the same here: see the module docstring).
 START_METHODS = ("spawn", "fork", "forkserver")
@@ -167,6 +172,8 @@ class LaunchConfig:
     master_addr: str | None = None
     master_port: int | None = None
     start_method: str = "spawn"
+    shutdown_timeout: float = 30.0
+    exit_barrier_timeout: float = 300.0
 
 
 def _nnodes(text: str) -> tuple[int, int]:
@@ -213,14 +220,19 @@ def _port(text: str) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, allow_zero: bool = False) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    if not (0 <= value if allow_zero else 0 < value) or not value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds {'>=' if allow_zero else '>'} 0, "
+                                         f"got {text!r}")
     return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    return _seconds(text, allow_zero=True)
 
 
 def _std(option: str):  # type: ignore[no-untyped-def]
@@ -372,6 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"static rendezvous: node rank 0's store port (default {STATIC_DEFAULT_PORT}); "
              "elastic: the workers' MASTER_PORT (default: a free port each round)")
     opt("--local-addr", default=None, metavar="ADDR", help="address to publish as MASTER_ADDR (default: FQDN)")
+    opt("--shutdown-timeout", type=_non_negative_int, default=None, metavar="S",
+        help=f"seconds between SIGTERM and SIGKILL when stopping the workers (default: env "
+             f"{SHUTDOWN_TIMEOUT_ENV}, else {DEFAULT_SHUTDOWN_TIMEOUT:g}); workers hung in a collective may ignore "
+             "SIGTERM")
+    opt("--exit-barrier-timeout", type=_non_negative_seconds, default=DEFAULT_EXIT_BARRIER_TIMEOUT, metavar="S",
+        help=f"seconds a node whose workers succeeded waits for the other nodes of its round to finish before it "
+             f"ends and closes the run (default {DEFAULT_EXIT_BARRIER_TIMEOUT:g}, torch's; 0: do not wait)")
     opt("--log-level", pet=False, default=None, metavar="LEVEL",
         help="launcher log level (default: env LOGLEVEL or WARNING)")
     p.add_argument("script", metavar="SCRIPT", help="training script, module (-m) or executable (--no-python)")
@@ -703,7 +722,26 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         master_addr=master_addr,
         master_port=master_port,
         start_method=args.start_method,
+        shutdown_timeout=_shutdown_timeout(args, environ),
+        exit_barrier_timeout=args.exit_barrier_timeout,
     )
+
+
+def _shutdown_timeout(args: argparse.Namespace, environ: Mapping[str, str]) -> float:
+    """``--shutdown-timeout``, else ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT``, else 30 (torch's ``LaunchConfig``).
+
+    Raises:
+        ConfigError: the variable is not a non-negative integer (names it).
+    """
+    if args.shutdown_timeout is not None:
+        return float(args.shutdown_timeout)
+    raw = environ.get(SHUTDOWN_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_SHUTDOWN_TIMEOUT
+    try:
+        return float(_non_negative_int(raw))
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(SHUTDOWN_TIMEOUT_ENV, raw, str(exc)) from None
 
 
 def _query_value(url: str, key: str) -> str | None:

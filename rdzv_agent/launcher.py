@@ -13,8 +13,11 @@ if the launcher process dies without stopping them (``kill -9``), see
 Exit status, and what happens to the run (as with ``torchrun``, whose
 ``launch_agent`` calls the handler's ``shutdown()`` unless a signal stopped it):
 
-* 0 — the workers succeeded; ``shutdown()`` closes the run (a new job needs a
-  new run id);
+* 0 — the workers succeeded; as torchrun's agent, the node first waits at the
+  *exit barrier* (``--exit-barrier-timeout``, 300 s) until every node of its round
+  is done, then ``shutdown()`` closes the run (a new job needs a new run id). If
+  the round ends meanwhile (another node failed and the others re-form) or the
+  barrier times out, the node leaves the run open for the others instead;
 * 0 — not included in the rendezvous (more nodes than ``max_nodes``):
   ``release()`` leaves it, the run stays open;
 * 1 — the workers failed with no restarts left, the rendezvous timed out, the run
@@ -214,6 +217,7 @@ def _launch(config: cli.LaunchConfig, url: str) -> int:
         agent = LocalElasticAgent(
             spec, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
             env=worker_environment(os.environ, _password(config, url)), listener=listener,
+            stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes
@@ -246,6 +250,7 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
     previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
     failures: list[WorkerFailure] = []
     close = True  # torchrun: shutdown() (closes the run) unless stopped by a signal
+    finished = False  # release() as a member that finished (the others carry on in the round)
     try:
         try:
             try:
@@ -253,6 +258,11 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
             finally:
                 pending.append(0)  # from here on, signals no longer interrupt the cleanup
             code, outcome = 0, "SUCCEEDED"
+            if agent.exit_barrier == "left":  # the others re-form without this node: the job goes on
+                close, outcome = False, "SUCCEEDED (the other nodes re-formed without this one: run left open)"
+            elif agent.exit_barrier == "timeout":  # the others still train: leave them the round and the run
+                close, finished = False, True
+                outcome = "SUCCEEDED (the other nodes did not finish within --exit-barrier-timeout: run left open)"
         except WorkerGroupFailureException as exc:
             failures = [e for e in exc.get_worker_exceptions().values() if isinstance(e, WorkerFailure)]
             code, outcome = EXIT_FAILURE, f"FAILED: {exc}"
@@ -271,7 +281,7 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
         except OSError as exc:
             code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
     finally:  # also when something unexpected propagates (then the run is closed, as torchrun does)
-        _finish_rendezvous(handler, close)
+        _finish_rendezvous(handler, close, finished)
         for sig, old in previous.items():
             signal.signal(sig, old)
 
@@ -291,15 +301,16 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
     )
 
 
-def _finish_rendezvous(handler: Any, close: bool) -> None:
+def _finish_rendezvous(handler: Any, close: bool, finished: bool = False) -> None:
     """End the rendezvous as ``torchrun`` does: ``shutdown()`` (closes the run) or, if not ``close``, ``release()``.
 
     ``shutdown()`` of rdzv's handler marks the run closed, leaves the round and
     releases the backend, returning ``False`` (after logging a WARNING) if it could
-    not close the run; ``release()`` leaves the round, the run stays open.
+    not close the run; ``release()`` leaves the round, the run stays open
+    (``finished``: as a member whose work is done, so the others carry on in the round).
     """
     if not close:
-        _release(handler)
+        _release(handler, finished)
         return
     try:
         handler.shutdown()
@@ -307,13 +318,13 @@ def _finish_rendezvous(handler: Any, close: bool) -> None:
         log.warning("could not shut the rendezvous down cleanly: %s", exc)
 
 
-def _release(handler: Any) -> None:
+def _release(handler: Any, finished: bool = False) -> None:
     """``handler.release()`` if it has one (rdzv's); torch's handlers are left alone, as torch does after a signal."""
     release = getattr(handler, "release", None)
     if release is None:
         return
     try:
-        release()
+        release(finished=True) if finished else release()
     except (RendezvousError, rdzv_core.RdzvError) as exc:
         log.warning("could not leave the rendezvous cleanly: %s", exc)
 

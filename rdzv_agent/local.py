@@ -6,9 +6,11 @@ environment variables:
 
 =============================  =====================================================
 ``LOCAL_RANK``                 rank among this node's workers
-``RANK`` / ``ROLE_RANK``       global rank (one role per run: the same)
+``RANK``                       global rank: group rank order, then local rank (torch's rule)
+``ROLE_RANK``                  rank among the workers of this role
 ``GROUP_RANK``                 this node's rank in the round
-``WORLD_SIZE`` / ``ROLE_WORLD_SIZE``  workers in the round
+``WORLD_SIZE``                 workers in the round (the sum over nodes of their local world size)
+``ROLE_WORLD_SIZE``            workers of this role in the round
 ``LOCAL_WORLD_SIZE``           workers on this node
 ``GROUP_WORLD_SIZE``           nodes in the round
 ``ROLE_NAME``                  the spec's role
@@ -41,13 +43,13 @@ from rdzv_core.errors import ConfigError
 from . import master
 from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
 from .process import WorkerProcess, stop_processes
-from .simple import AgentEvent, SimpleElasticAgent
+from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std, std_for_rank
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
-#: Seconds between SIGTERM and SIGKILL when stopping workers.
-DEFAULT_STOP_GRACE = 10.0
+#: Seconds between SIGTERM and SIGKILL when stopping workers (torchrun's ``--shutdown-timeout`` default).
+DEFAULT_STOP_GRACE = 30.0
 
 
 def _safe_dir_name(text: str) -> str:
@@ -65,8 +67,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         tee: streams written to the log files and the console.
         env: base environment of the workers (default ``os.environ``); the
             launcher passes one without secrets.
-        stop_grace: seconds between SIGTERM and SIGKILL when stopping (> 0).
-        listener: see :class:`SimpleElasticAgent`.
+        stop_grace: seconds between SIGTERM and SIGKILL when stopping (>= 0; torchrun's
+            ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
+        listener, exit_barrier_timeout: see :class:`SimpleElasticAgent`.
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
@@ -82,12 +85,13 @@ class LocalElasticAgent(SimpleElasticAgent):
         env: Mapping[str, str] | None = None,
         stop_grace: float = DEFAULT_STOP_GRACE,
         listener: Callable[[AgentEvent], None] | None = None,
+        exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
-        if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 < stop_grace < math.inf:
-            raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds > 0")
-        super().__init__(spec, listener)
+        if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 <= stop_grace < math.inf:
+            raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
+        super().__init__(spec, listener, exit_barrier_timeout)
         self._redirects = redirects
         self._tee = tee
         self._base_env = dict(os.environ if env is None else env)
@@ -131,12 +135,12 @@ class LocalElasticAgent(SimpleElasticAgent):
             LOCAL_RANK=str(local_rank),
             RANK=str(worker.global_rank),
             GROUP_RANK=str(group.group_rank),
-            ROLE_RANK=str(worker.global_rank),
+            ROLE_RANK=str(worker.role_rank),
             ROLE_NAME=spec.role,
             LOCAL_WORLD_SIZE=str(spec.local_world_size),
             WORLD_SIZE=str(worker.world_size),
             GROUP_WORLD_SIZE=str(group.group_world_size),
-            ROLE_WORLD_SIZE=str(worker.world_size),
+            ROLE_WORLD_SIZE=str(worker.role_world_size),
             MASTER_ADDR=str(group.master_addr),
             MASTER_PORT=str(group.master_port),
             TORCHELASTIC_RESTART_COUNT=str(self.restart_count),

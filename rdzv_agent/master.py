@@ -30,6 +30,7 @@ __all__ = [
     "local_address",
     "publish",
     "read",
+    "decode",
     "is_port_in_use_error",
 ]
 
@@ -89,7 +90,15 @@ def read(store: Any) -> tuple[str, int]:
         whatever the store raises when the key does not appear in time
         (``torch.distributed.DistStoreError`` for c10d stores).
     """
-    raw = store.get(MASTER_KEY)
+    return decode(store.get(MASTER_KEY))
+
+
+def decode(raw: Any) -> tuple[str, int]:
+    """``(addr, port)`` from the value :func:`publish` wrote.
+
+    Raises:
+        torch ``RendezvousStateError``: the value is malformed.
+    """
     try:
         value = json.loads(bytes(raw).decode("utf-8"))
         addr, port = value["addr"], value["port"]

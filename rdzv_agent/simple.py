@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from rdzv_core.errors import ConfigError
 from rdzv_core.outage import OutageLog
 
-from . import master
+from . import coordination, master
 from .api import (
     DEFAULT_ROLE,
     ElasticAgent,
@@ -54,12 +54,18 @@ from .api import (
     WorkerState,
 )
 
-__all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES"]
+__all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 
 log = logging.getLogger(__name__)
 
 #: Re-rendezvous rounds per run for setup trouble (port taken, master endpoint missing).
 MAX_SETUP_RETRIES = 3
+#: torch's default ``exit_barrier_timeout`` (seconds).
+DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
+#: Seconds the agent waits for the round's other agents in its store (master endpoint, ranks) before
+#: it re-rendezvouses (a setup retry), for a store without a ``timeout`` (c10d's default); the round's
+#: loss is noticed sooner, between wait slices.
+SETUP_WAIT = 300.0
 
 
 class _NoMasterEndpoint(Exception):
@@ -114,9 +120,21 @@ class SimpleElasticAgent(ElasticAgent):
         spec: the workers to run.
         listener: called with an :class:`AgentEvent` at each step (optional);
             exceptions it raises propagate.
+        exit_barrier_timeout: seconds an agent whose workers succeeded waits for the
+            round's other agents before it returns (torch's ``exit_barrier_timeout``,
+            default 300; 0 skips the barrier). See :attr:`exit_barrier`.
+
+    Raises:
+        ConfigError: ``exit_barrier_timeout`` is negative or not a number.
     """
 
-    def __init__(self, spec: WorkerSpec, listener: Callable[[AgentEvent], None] | None = None) -> None:
+    def __init__(self, spec: WorkerSpec, listener: Callable[[AgentEvent], None] | None = None,
+                 exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT) -> None:
+        if isinstance(exit_barrier_timeout, bool) or not isinstance(exit_barrier_timeout, (int, float)) \
+                or not 0 <= exit_barrier_timeout < float("inf"):
+            raise ConfigError("exit_barrier_timeout", exit_barrier_timeout, "must be a finite number of seconds >= 0")
+        self._exit_barrier_timeout = float(exit_barrier_timeout)
+        self._exit_barrier_outcome: str | None = None
         self._worker_group = WorkerGroup(spec)
         self._remaining_restarts = spec.max_restarts
         self._setup_retries_left = MAX_SETUP_RETRIES
@@ -140,6 +158,13 @@ class SimpleElasticAgent(ElasticAgent):
     def membership_restarts(self) -> int:
         """Restarts caused by nodes joining (not counted against ``max_restarts``)."""
         return self._membership_restarts
+
+    @property
+    def exit_barrier(self) -> str | None:
+        """How the exit barrier ended: ``"complete"`` (every agent of the round finished),
+        ``"left"`` (the round ended meanwhile: a member failed and the others re-form),
+        ``"timeout"``, ``"skipped"`` (timeout 0), or ``None`` (the workers did not succeed)."""
+        return self._exit_barrier_outcome
 
     @property
     def rendezvous_count(self) -> int:
@@ -201,20 +226,25 @@ class SimpleElasticAgent(ElasticAgent):
         worker_group.use_agent_store = bool(getattr(spec.rdzv_handler, "use_agent_store", False))
         if worker_group.use_agent_store:  # the workers reuse the handler's store (torch's agent does the same)
             worker_group.master_addr, worker_group.master_port = _bootstrap_endpoint(info)
-        else:
-            if group_rank == 0:
-                port = spec.master_port if spec.master_port is not None else master.choose_port()
-                master.publish(store, master.local_address(spec.local_addr), port)
-            try:
-                worker_group.master_addr, worker_group.master_port = master.read(store)
-            except DistError as exc:  # c10d stores raise DistStoreError when the wait times out
-                raise _NoMasterEndpoint(f"no master endpoint in the round's store: {exc}") from exc
-
-        stride = spec.local_world_size
-        world_size = group_world_size * stride
+        store_timeout = getattr(store, "timeout", None)  # c10d stores have one (a timedelta)
+        deadline = time.monotonic() + (store_timeout.total_seconds() if store_timeout else SETUP_WAIT)
+        wait = (deadline, spec.monitor_interval, self._round_gone)
+        try:
+            if not worker_group.use_agent_store:
+                if group_rank == 0:
+                    port = spec.master_port if spec.master_port is not None else master.choose_port()
+                    master.publish(store, master.local_address(spec.local_addr), port)
+                raw = coordination.wait_values(store, [master.MASTER_KEY], *wait)[0]
+                worker_group.master_addr, worker_group.master_port = master.decode(raw)
+            base, world_size, role_base, role_world_size = coordination.assign_ranks(
+                store, spec.role, group_rank, group_world_size, spec.local_world_size, *wait)
+        except coordination.SetupTimeout as exc:
+            raise _NoMasterEndpoint(f"the round's other agents did not show up in its store: {exc}") from exc
         for worker in worker_group.workers:
-            worker.global_rank = group_rank * stride + worker.local_rank
+            worker.global_rank = base + worker.local_rank
+            worker.role_rank = role_base + worker.local_rank
             worker.world_size = world_size
+            worker.role_world_size = role_world_size
         ranks = [w.global_rank for w in worker_group.workers]
         log.info(
             "[%s] round complete: restart_count=%d group_rank=%d group_world_size=%d "
@@ -256,6 +286,12 @@ class SimpleElasticAgent(ElasticAgent):
                     raise RendezvousTimeoutError(f"[{role}] {exc}") from exc
                 self._setup_retry("no_master", str(exc))
                 continue
+            except coordination.RoundGone as exc:  # a member was lost (or a node came) before the start
+                self._membership_restarts += 1
+                log.info("[%s] %s; re-rendezvous", role, exc)
+                self._emit("restarting", reason="membership", remaining_restarts=self._remaining_restarts,
+                           nodes_waiting=1)
+                continue
             if self._setup_retries_left > 0 and self._master_port_taken(worker_group):
                 self._setup_retry("port_in_use", f"master port {worker_group.master_port} was taken before start")
                 continue
@@ -281,6 +317,10 @@ class SimpleElasticAgent(ElasticAgent):
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)
         log.info("[%s] restart took %.1f s", worker_group.spec.role, time.monotonic() - start)
+
+    def _round_gone(self) -> bool:
+        """Whether the handler reports nodes waiting, or this node's round gone (``num_nodes_waiting() > 0``)."""
+        return self._num_nodes_waiting() > 0
 
     def _num_nodes_waiting(self) -> int:
         """``handler.num_nodes_waiting()``; 0 (and a warning) if the backend is unreachable.
@@ -335,7 +375,8 @@ class SimpleElasticAgent(ElasticAgent):
 
             if state == WorkerState.SUCCEEDED:
                 log.info("[%s] all workers finished successfully", role)
-                self._emit("succeeded", results=dict(result.ret_vals))
+                self._exit_barrier()
+                self._emit("succeeded", results=dict(result.ret_vals), exit_barrier=self._exit_barrier_outcome)
                 return result.ret_vals
             if state in (WorkerState.UNHEALTHY, WorkerState.FAILED):
                 self._handle_failure(group, result)
@@ -350,6 +391,21 @@ class SimpleElasticAgent(ElasticAgent):
                     self._restart_workers(group)
             else:
                 raise RuntimeError(f"[{role}] worker group in {state.name} state")
+
+    def _exit_barrier(self) -> None:
+        """Wait for the round's other agents to finish too (torch's exit barrier; see :mod:`.coordination`)."""
+        group = self._worker_group
+        if self._exit_barrier_timeout <= 0:
+            self._exit_barrier_outcome = "skipped"
+            return
+        log.info("[%s] waiting up to %.0f s for the other nodes of the round to finish", group.spec.role,
+                 self._exit_barrier_timeout)
+        started = time.monotonic()
+        self._exit_barrier_outcome = coordination.exit_barrier(
+            group.store, int(group.group_world_size or 1), self._exit_barrier_timeout, group.spec.monitor_interval,
+            self._round_gone)
+        log.info("[%s] exit barrier: %s after %.1f s", group.spec.role, self._exit_barrier_outcome,
+                 time.monotonic() - started)
 
     def _handle_failure(self, group: WorkerGroup, result: MonitorResult) -> None:
         spec = group.spec

@@ -20,6 +20,7 @@
     │   └── UnknownBackendError      no installed backend claims the URL's scheme
     ├── PluginError                  two distributions claim one scheme
     ├── RendezvousClosed             the run was closed (``set_closed``)
+    │   └── RendezvousGracefulExit   ... while this node waited as a spare (exit successfully)
     ├── RendezvousTimeout            no round completed within the overall timeout
     └── RendezvousStateError         the stored rendezvous state is corrupt
 
@@ -52,6 +53,7 @@ __all__ = [
     "UnknownBackendError",
     "PluginError",
     "RendezvousClosed",
+    "RendezvousGracefulExit",
     "RendezvousTimeout",
     "RendezvousStateError",
 ]
@@ -189,6 +191,11 @@ class PluginError(RdzvError):
 
 class RendezvousClosed(RdzvError):
     """The run is closed: no further rounds will form (see ``Rendezvous.set_closed``)."""
+
+
+class RendezvousGracefulExit(RendezvousClosed):
+    """The run closed while this node waited as a *spare* (the round was full): it has nothing
+    left to do and may exit successfully (torch's ``RendezvousGracefulExitError``)."""
 
 
 class RendezvousTimeout(RdzvError):

@@ -47,6 +47,8 @@ def _mapped(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
+        except errors.RendezvousGracefulExit as exc:
+            raise torch_api.RendezvousGracefulExitError(str(exc)) from exc
         except errors.RendezvousClosed as exc:
             raise torch_api.RendezvousClosedError(str(exc)) from exc
         except errors.RendezvousTimeout as exc:
@@ -181,6 +183,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
         (:meth:`set_closed`), leave the round (delete this node's keep-alive key),
         release the backend. A new job needs a new run id.
 
+        Better than torch: when the run goes on without this node (its live round is
+        one this node is not a member of: the others re-formed without it, e.g. while
+        it waited at torch's exit barrier or stalled), the run is left open
+        (:meth:`~rdzv_core.rendezvous.Rendezvous.others_carry_on`).
+
         Idempotent: later calls return the first call's result. After
         :meth:`release` the backend is gone, so it cannot close the run: it logs a
         WARNING and returns ``False``.
@@ -198,7 +205,13 @@ class RdzvHandler(torch_api.RendezvousHandler):
             return self._closed_ok
         self._ended = "shut"
         try:
-            self._rdzv.set_closed()
+            if self._rdzv.others_carry_on():
+                # torch closes the run here; but the others re-formed without this node and still
+                # train: closing would stop them at their next re-formation. Leave it open.
+                log.info("run %s: the other nodes carry on without this node; leaving the run open",
+                         self._rdzv.run_id)
+            else:
+                self._rdzv.set_closed()
             self._closed_ok = True
         except errors.RdzvError as exc:
             log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
@@ -207,23 +220,25 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._leave_and_release()
         return self._closed_ok
 
-    def release(self) -> None:
+    def release(self, finished: bool = False) -> None:
         """Leave the round and release the backend; the run stays *open* for the others.
 
         For callers that must not close the run: an agent stopped by a signal (the
         other nodes re-form without it, as with ``torchrun``), or one not admitted to
-        the rendezvous. Idempotent; a no-op after :meth:`shutdown`. Errors while
-        leaving are logged (the keep-alive key then lapses after ``keep_alive_ttl``
-        seconds), never raised.
+        the rendezvous. With ``finished`` (this node's workers succeeded, the others
+        still train in the round) its keep-alive key is kept and marked finished, so
+        the others carry on without re-forming (see ``Rendezvous.leave``). Idempotent;
+        a no-op after :meth:`shutdown`. Errors while leaving are logged (the
+        keep-alive key then lapses after ``keep_alive_ttl`` seconds), never raised.
         """
         if self._ended is not None:
             return
         self._ended = "released"
-        self._leave_and_release()
+        self._leave_and_release(finished)
 
-    def _leave_and_release(self) -> None:
+    def _leave_and_release(self, finished: bool = False) -> None:
         try:
-            self._rdzv.leave()
+            self._rdzv.leave(finished=finished)
         except errors.RdzvError as exc:
             log.warning("run %s: could not leave the round cleanly: %s", self._rdzv.run_id, exc)
         self._kv.close()

@@ -20,6 +20,12 @@ nodes arriving while a round is final are counted as waiting
 destroy the round by compare-and-delete so a new round can form; ``set_closed``
 ends the run; extra data can be stored per round.
 
+Membership rules added here (``docs/design.md``): nodes beyond ``max_nodes`` are
+*spares* that do not make the members restart; the members of a final round
+watch its keep-alive keys too (:mod:`rdzv_core.roundwatch`, one watch per
+process), so a silently lost member is noticed within about ``keep_alive_ttl``;
+a member that finished keeps its key, marked, so the others carry on.
+
 What changed from the seed, and why (see ``docs/design.md``): the seed appends
 every join and every confirmation to one JSON blob by compare-and-swap, so N
 agents cost O(N^2) backend work. Here the round record changes only on state
@@ -35,7 +41,7 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID``::
     ROOT/v_V/joined             join tickets of round V (ticket t -> rank t-1)
     ROOT/v_V/confirmed          confirmations of round V
     ROOT/v_V/waiting            late nodes counted while V is final
-    ROOT/v_V/alive/rank_R       keep-alive key of rank R (TTL)
+    ROOT/v_V/alive/rank_R       keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
     ROOT/v_V/extra/KEY          extra data of round V
     ROOT/store/v_V/...          the c10d Store of round V (see rdzv_core.store)
 """
@@ -54,6 +60,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from .errors import (
+    RendezvousGracefulExit,
     BackendClosed,
     BackendUnavailable,
     CompareFailed,
@@ -66,6 +73,7 @@ from .errors import (
     RendezvousTimeout,
 )
 from .kv import Entry, KVBackend, escape_segment, join_key, parse_counter, wait_for_change
+from . import roundwatch
 from .keepalive import KeepAlive
 from .outage import OutageLog
 from .url import validate_run_id
@@ -80,6 +88,8 @@ MAX_STATE_BYTES = 4096
 MIN_KEEP_ALIVE_TTL = 0.1  #: seconds
 #: seconds: the shortest window over which nodes that find no round stagger their setup (see ``_setup``).
 SETUP_STAGGER = 0.05
+#: Seconds between two INFO lines of a node waiting as a spare.
+SPARE_LOG_EVERY = 60.0
 
 
 @dataclass(frozen=True)
@@ -187,11 +197,16 @@ class Progress:
 
 
 class _Retry(Exception):
-    """Internal: start the attempt over (after a backoff if ``delay``)."""
+    """Internal: start the attempt over (after a backoff if ``delay``).
 
-    def __init__(self, reason: str, delay: bool = False) -> None:
+    ``credit``: seconds the attempt spent waiting as a spare, given back to the
+    overall deadline (a spare waits for a place, not for a round to form).
+    """
+
+    def __init__(self, reason: str, delay: bool = False, credit: float = 0.0) -> None:
         super().__init__(reason)
         self.delay = delay
+        self.credit = credit
 
 
 class _Backoff:
@@ -254,6 +269,10 @@ class Rendezvous:
         self._closed_key = self._state_dir + "closed"
         self._keepalive: KeepAlive | None = None
         self._alive_key: str | None = None
+        self._alive_info: dict[str, Any] = {}
+        self._final_revision = 0  # revision of the final record of the round _confirm returned
+        self._watched: roundwatch.RoundKeys | None = None  # the round whose lapse watch we subscribed to
+        self._spare_since: float | None = None  # when this node began waiting as a spare (monotonic)
         self._announced: set[int] = set()
         self._stall = _Stall()
         self._lock = threading.Lock()
@@ -273,14 +292,17 @@ class Rendezvous:
         members' waiting nodes re-form promptly).
 
         Raises:
-            RendezvousClosed: the run is closed.
-            RendezvousTimeout: no round within ``params.timeout`` seconds.
+            RendezvousClosed: the run is closed (:class:`RendezvousGracefulExit` if it
+                closed while this node waited as a spare).
+            RendezvousTimeout: no round within ``params.timeout`` seconds (time spent
+                waiting as a spare, for a full round to lose a member, does not count).
             RendezvousStateError: the stored round record is corrupt.
             BackendUnavailable: the backend was unreachable at the deadline (the last
                 attempt failed on it; if it answered since, the timeout is raised instead).
         """
         with self._lock:
             self.leave()
+            self._spare_since = None
             try:
                 return self._rounds_until(time.monotonic() + self.params.timeout)
             finally:
@@ -296,6 +318,7 @@ class Rendezvous:
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result
+                self._watch_round(result)
                 self._log(logging.INFO, "round complete: world size %d", result.world_size)
                 return result
             except _Retry as retry:
@@ -304,6 +327,7 @@ class Rendezvous:
                 self._log(logging.DEBUG, "retrying rendezvous: %s", retry)
                 self._held = None  # that round is given up: a new attempt takes a new ticket
                 self._stop_keepalive(delete=True)
+                deadline += retry.credit
                 if retry.delay:
                     backoff.sleep(deadline)
             except CorruptEntry as exc:
@@ -321,10 +345,47 @@ class Rendezvous:
             f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
         )
 
-    def leave(self) -> None:
-        """Leave the current round: stop the keep-alive and delete its key (the run stays open)."""
-        self._stop_keepalive(delete=True)
+    def leave(self, finished: bool = False) -> None:
+        """Leave the current round (the run stays open).
+
+        Args:
+            finished: this node's work is done and the other members carry on in the
+                round: its keep-alive key is rewritten without TTL and marked
+                ``finished`` instead of deleted, so nobody takes it for a lost member
+                (without it, the other members destroy the round and re-form). Used
+                by an agent that leaves its exit barrier before the others finished.
+        """
+        self._unwatch_round()
+        if finished and self._alive_key is not None and self._keepalive is not None:
+            key = self._alive_key
+            self._stop_keepalive(delete=False)
+            try:
+                self.kv.put(key, _encode({**self._alive_info, "finished": round(time.time(), 3)}))
+            except (BackendUnavailable, BackendClosed) as exc:
+                self._log(logging.WARNING, "could not mark this member finished (its key will lapse): %s", exc)
+        else:
+            self._stop_keepalive(delete=True)
         self.current = None
+
+    def others_carry_on(self) -> bool:
+        """Whether the run goes on without this node: its live round is one this node is not in.
+
+        True when the round record is a final round other than this node's current
+        one, or any round of a higher version than this node's current one (the others
+        re-formed without it). Then closing the run (what torch's handlers do at the end
+        of a job) would stop nodes that still train; :meth:`RdzvHandler.shutdown` leaves
+        it open instead. False for a closed or absent run, and while this node is a
+        member of the live round.
+        """
+        state = self._read_state()[1]
+        if state is None or state["status"] in (CLOSED, SETUP):
+            return False
+        current = self.current
+        if current is not None and _same_round(state, current.version, current.round_id or None):
+            return False
+        if state["status"] == FINAL:
+            return True
+        return current is not None and state["version"] > current.version
 
     def is_closed(self) -> bool:
         """Whether the run is closed (eventually consistent, like torch's handlers)."""
@@ -343,11 +404,14 @@ class Rendezvous:
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a round with this node in it (after the seed's ``num_nodes_waiting``).
 
-        As in the seed: the late nodes counted while the current round is final.
-        In addition, when this node holds a round (``self.current``) that is no
-        longer the run's live round -- destroyed because a keep-alive key lapsed,
-        for instance after the backend stalled for longer than ``keep_alive_ttl``,
-        or lost with the run's keys -- it returns the nodes that joined the round
+        As in the seed: the late nodes counted while the current round is final --
+        but only while it has fewer than ``max_nodes`` members: nodes beyond that
+        are *spares* (torch's redundancy list), which must not make the members
+        restart; a spare takes a place when a member is lost. In addition, when
+        this node holds a round (``self.current``) that is no longer the run's live
+        round -- destroyed because a member's keep-alive key lapsed (seen by the
+        members' own watch, :mod:`rdzv_core.roundwatch`, or by a waiting node), or
+        lost with the run's keys -- it returns the nodes that joined the round
         now forming, and at least 1: a member must re-rendezvous rather than train
         on in a round the others have left. 0 once the run is closed.
         """
@@ -364,6 +428,8 @@ class Rendezvous:
             return max(1, joined)
         if state is None or state["status"] != FINAL:
             return 0
+        if state["participants"] >= (self.params.max_nodes or self.params.min_nodes):
+            return 0  # the round is full: the nodes waiting are spares, admitted only when a member is lost
         return self._counter(self._vkey(state["version"], "waiting"))
 
     def store_extra_data(self, version: int, key: str, value: bytes) -> None:
@@ -412,7 +478,10 @@ class Rendezvous:
             entry, state = self._setup(time.monotonic() - started, deadline)
         status = state["status"]
         if status == CLOSED:
+            if self._spare_since is not None:
+                raise RendezvousGracefulExit(f"run {self.run_id} closed while this node waited as a spare")
             raise RendezvousClosed(f"run {self.run_id} is closed")
+        self._spare_since = None
         limit = self.params.max_nodes or self.params.min_nodes
         if state.get("participants", 0) > limit:  # a node of this job never admits more than max_nodes
             raise RendezvousStateError(
@@ -429,8 +498,8 @@ class Rendezvous:
                 # a backend error interrupted this node after it joined (or confirmed): carry on as that member
                 return self._confirm(held.version, held.rid, held.ticket - 1, world, deadline)
         if status == FINAL:
-            self._wait_as_late_node(entry, state, deadline)
-            raise _Retry("final round changed")
+            spare_seconds = self._wait_as_late_node(entry, state, deadline)
+            raise _Retry("final round changed", credit=spare_seconds)
         if status == FROZEN:
             self._check_frozen_stall(entry, state)
         self._progress("setup" if status == SETUP else "waiting", state.get("version", 0), 0, deadline)
@@ -605,7 +674,7 @@ class Rendezvous:
         alive_key = self._vkey(version, "alive", f"rank_{rank}")
         info = {"rank": rank, "node": self.node_id, "host": socket.gethostname(), "since": round(time.time(), 3)}
         self.kv.put(alive_key, _encode(info), ttl=ttl)
-        self._alive_key = alive_key
+        self._alive_key, self._alive_info = alive_key, info
         self._keepalive = KeepAlive(
             self.kv, alive_key, ttl, value=_encode(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
         )
@@ -637,6 +706,7 @@ class Rendezvous:
             ):
                 raise _Retry(f"round {version} ended before it became final")
             if state["status"] == FINAL:
+                self._final_revision = entry.revision
                 return RoundResult(version, rank, world, rid or "")
             self._check_frozen_stall(entry, state)
             self._progress("confirming", version, world, deadline)
@@ -664,16 +734,29 @@ class Rendezvous:
                                  f"{state.get('participants')} members confirmed")
             raise _Retry("stalled frozen round destroyed")
 
-    def _wait_as_late_node(self, entry: Entry, state: dict[str, Any], deadline: float) -> None:
+    def _wait_as_late_node(self, entry: Entry, state: dict[str, Any], deadline: float) -> float:
         """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed.
 
         After the seed's ``handle_existing_rendezvous`` / ``wait_for_rendezvous_to_free``.
+        A round with ``max_nodes`` members is full: this node is then a *spare* (torch's
+        redundancy list). The members are not asked to restart for it
+        (:meth:`num_nodes_waiting`), it waits without a deadline (it waits for a place,
+        not for a round to form) until a member's key lapses or the record changes,
+        and it logs ``run full: waiting as a spare`` every :data:`SPARE_LOG_EVERY` s.
+
+        Returns:
+            the seconds spent as a spare (credited back to the overall deadline).
         """
         version = state["version"]
         world = _int_field(state, "participants", self._state_key)
+        spare = world >= (self.params.max_nodes or self.params.min_nodes)
         if version not in self._announced:
             self._add(self._vkey(version, "waiting"))
             self._announced.add(version)
+        started = time.monotonic()
+        if spare and self._spare_since is None:
+            self._spare_since = started
+        logged = -float("inf")
         alive_prefix = self._vkey(version, "alive") + "/"
         while True:
             alive, revision = self.kv.list(alive_prefix)
@@ -681,15 +764,21 @@ class Rendezvous:
             missing = [r for r in range(world) if f"rank_{r}" not in ranks]
             if missing:
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
-                return
-            self._progress("waiting", version, world, deadline)
-            if time.monotonic() >= deadline:
-                return
-            next_check = min(time.monotonic() + self.params.keep_alive_ttl, deadline)
-            wait_for_change(self.kv, self.root + "/", revision, next_check)
+                break
+            now = time.monotonic()
+            if spare and now - logged >= SPARE_LOG_EVERY:
+                logged = now
+                self._log(logging.INFO, "run full (%d of max_nodes=%d members): waiting as a spare", world,
+                          self.params.max_nodes, version=version)
+            self._progress("spare" if spare else "waiting", version, world, deadline + (now - started) * spare)
+            if not spare and now >= deadline:
+                break
+            next_check = now + self.params.keep_alive_ttl
+            wait_for_change(self.kv, self.root + "/", revision, next_check if spare else min(next_check, deadline))
             entry_now, state_now = self._read_state()
             if entry_now is None or entry_now.revision != entry.revision:
-                return
+                break
+        return time.monotonic() - started if spare else 0.0
 
     # -- helpers --------------------------------------------------------------
     def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None:
@@ -749,6 +838,21 @@ class Rendezvous:
 
     def _vkey(self, version: int, *parts: str) -> str:
         return join_key(self.root, f"v_{version}", *parts)
+
+    def _watch_round(self, result: RoundResult) -> None:
+        """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
+        self._unwatch_round()
+        self._watched = roundwatch.RoundKeys(
+            run_id=self.run_id, root=self.root, version=result.version, rid=result.round_id,
+            world=result.world_size, state_key=self._state_key, closed_key=self._closed_key,
+            final_revision=self._final_revision,
+        )
+        roundwatch.subscribe(self, self.kv, self._watched)
+
+    def _unwatch_round(self) -> None:
+        if self._watched is not None:
+            roundwatch.unsubscribe(self, self._watched)
+            self._watched = None
 
     def _stop_keepalive(self, delete: bool) -> None:
         if self._keepalive is not None:

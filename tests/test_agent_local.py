@@ -264,5 +264,7 @@ def test_a_round_without_master_endpoint_is_formed_again(tmp_path):
         handler.shutdown()
         thread.join(10)
     assert formed and formed[0].rank == 0 and formed[0].world_size == 2
-    assert [e.data["reason"] for e in events if e.kind == "restarting"] == ["no_master"]
+    # the agent re-formed once without spending a restart: after the store timeout (no_master) or, as the
+    # ghost's leave deleted its keep-alive key, because the round's watch destroyed the round (membership)
+    assert [e.data["reason"] for e in events if e.kind == "restarting"] in (["no_master"], ["membership"])
     assert agent.restart_count == 0 and agent.get_worker_group().group_world_size == 1

@@ -33,6 +33,7 @@ class Launcher:
         env: extra environment variables.
         gate: if given, the launcher imports everything first and starts only
             once this file exists (a pre-warmed node that joins on cue).
+        module: the launcher module run with ``python -m`` (``torch.distributed.run`` for torchrun).
     """
 
     def __init__(
@@ -42,13 +43,16 @@ class Launcher:
         name: str,
         env: dict[str, str] | None = None,
         gate: str | None = None,
+        module: str = "rdzv_agent.launcher",
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.out_path = os.path.join(workdir, f"{name}.out")
         self.err_path = os.path.join(workdir, f"{name}.err")
         if gate is None:
-            cmd = [sys.executable, "-m", "rdzv_agent.launcher", *argv]
+            cmd = [sys.executable, "-m", module, *argv]
+        elif module != "rdzv_agent.launcher":
+            raise ValueError("gate is for rdzv-run launchers only")
         else:
             code = (
                 "import os, sys, time\n"
@@ -104,6 +108,18 @@ class Launcher:
     def tail(self, chars: int = 3000) -> str:
         return (f"--- {self.name} stdout ---\n{self.stdout()[-chars:]}\n"
                 f"--- {self.name} stderr ---\n{self.stderr()[-chars:]}")
+
+    def freeze(self) -> list[int]:
+        """SIGSTOP the launcher and every descendant (a host that stopped: no FIN, no RST); their pids."""
+        pids = [self.pid]
+        os.kill(self.pid, signal.SIGSTOP)  # first, so that it starts nothing new meanwhile
+        for pid in self.descendants():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+                pids.append(pid)
+            except ProcessLookupError:
+                pass
+        return pids
 
     def kill_all(self) -> None:
         """SIGKILL the launcher and every descendant's process group."""

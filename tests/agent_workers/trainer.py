@@ -1,0 +1,83 @@
+"""A training-loop worker for the membership tests: gloo steps, each recorded with its world size.
+
+Every worker joins the process group from torchrun's variables (``env://``,
+gloo, ``--pg-timeout`` seconds), then loops: with ``--collective`` every step is
+an ``all_reduce`` of 1 (checked to equal ``WORLD_SIZE``); without it the first
+step is, the rest are local. After each step it appends one JSON line to
+``OUT/steps-<NODE>.jsonl`` (``NODE`` is the ``TEST_NODE`` variable the test gives
+each launcher)::
+
+    {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "step", "t"}
+
+``t`` is ``time.time()``. Before the first step it writes one ``start`` line with the same
+fields and ``"sum"`` (the first ``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when
+every rank is distinct). It stops when asked, by files in ``OUT``:
+
+``stop-all`` or ``stop-<NODE>``   finish the current step, destroy the group, exit 0 (with
+                                  ``--collective``: every rank stops at the step one of them saw it)
+``fail-<NODE>``                   exit 3 while ``TORCHELASTIC_RESTART_COUNT`` is 0 (a failure)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--pg-timeout", type=float, default=60.0)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--collective", action="store_true")
+    p.add_argument("--max-steps", type=int, default=100_000)
+    args = p.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    node = os.environ.get("TEST_NODE", "node")
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    path = os.path.join(args.out, f"steps-{node}.jsonl")
+    base = {
+        "node": node, "pid": os.getpid(), "rank": int(os.environ["RANK"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"]),
+        "group_rank": int(os.environ.get("GROUP_RANK", "-1")), "restart": restart,
+        "role_rank": int(os.environ.get("ROLE_RANK", "-1")), "role_world": int(os.environ.get("ROLE_WORLD_SIZE", "-1")),
+    }
+
+    def record(**fields: object) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({**base, **fields, "t": time.time()}) + "\n")
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    total = torch.tensor([base["rank"] + 1])
+    dist.all_reduce(total)
+    record(kind="start", sum=int(total.item()))
+    for step in range(args.max_steps):
+        if os.path.exists(os.path.join(args.out, f"fail-{node}")) and restart == 0:
+            print(f"trainer {node} rank {base['rank']}: injected failure", file=sys.stderr, flush=True)
+            return 3
+        stop = any(os.path.exists(os.path.join(args.out, name)) for name in ("stop-all", f"stop-{node}"))
+        if args.collective:  # [1, stop]: every rank counted, and all stop at the same step
+            both = torch.tensor([1, int(stop)])
+            dist.all_reduce(both)
+            if int(both[0].item()) != base["world"]:
+                print(f"all_reduce gave {int(both[0].item())}, WORLD_SIZE={base['world']}", file=sys.stderr,
+                      flush=True)
+                return 4
+            stop = int(both[1].item()) > 0
+        record(kind="step", step=step)
+        if stop:
+            break
+        time.sleep(args.step_sleep)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

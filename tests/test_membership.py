@@ -1,0 +1,258 @@
+"""Membership dynamics end to end: spares, silently lost nodes, the exit barrier, mixed worker counts.
+
+Every node is a real launcher process (``rdzv-run``, or plain ``torchrun`` with the
+``rdzv-*`` handlers) with gloo workers (:mod:`agent_workers.trainer`) that record
+every step with its world size, over real servers: file, Redis, etcd v2 and etcd v3.
+Assertions are on outcomes: world sizes and ranks of the steps, which worker
+processes made them (a new pid is a restart), restart counts, exit codes, whether
+the run is closed, and deadlines on those outcomes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from agent_workers.harness import HERE, Launcher, kill_run, wait_until
+from rdzv_core import Rendezvous, RendezvousParams, open_backend
+
+pytestmark = [pytest.mark.slow, pytest.mark.membership]
+
+TRAINER = os.path.join(HERE, "trainer.py")
+TTL = 2.0  # keep_alive_ttl of these runs (seconds)
+START = 120.0  # seconds for launchers to start, meet and make their first steps (torch imports on 2 cores)
+#: ``--rdzv-backend`` of plain torchrun for each rdzv scheme (see rdzv_core.torchrun).
+TORCHRUN_BACKEND = {"file": "rdzv-file", "redis": "rdzv-redis", "etcd-v2": "rdzv-etcd", "etcd-v3": "rdzv-etcd-v3"}
+
+
+@dataclass(frozen=True)
+class Backend:
+    scheme: str
+    endpoint: str  # HOST:PORT, or the file backend's directory
+
+    def url(self, run_id: str, **query: Any) -> str:
+        where = self.endpoint if self.scheme != "file" else "/" + self.endpoint.strip("/")
+        pairs = "&".join(f"{k}={v}" for k, v in query.items())
+        return f"{self.scheme}://{where}/{run_id}" + (f"?{pairs}" if pairs else "")
+
+    def base_url(self) -> str:
+        return self.url("x").rsplit("/", 1)[0] + "/"
+
+
+@pytest.fixture(params=list(TORCHRUN_BACKEND))
+def backend(request, tmp_path) -> Backend:
+    scheme = request.param
+    if scheme == "file":
+        return Backend(scheme, str(tmp_path / "rdzv-store"))
+    server = request.getfixturevalue("rdzv_server_redis" if scheme == "redis" else "rdzv_server_etcd")
+    return Backend(scheme, server.address)
+
+
+class Job:
+    """The nodes of one run, their step records, and the run's state read through the backend."""
+
+    def __init__(self, backend: Backend, workdir: str) -> None:
+        self.backend = backend
+        self.workdir = workdir
+        self.run_id = f"mb{uuid.uuid4().hex[:10]}"
+        self.out = os.path.join(workdir, "out")
+        os.makedirs(self.out)
+        self.nodes: dict[str, Launcher] = {}
+        self.query = {"last_call_timeout": "0.5", "keep_alive_ttl": str(TTL), "timeout": "120"}
+        self._kv: Any = None
+
+    def node(self, name: str, nnodes: str, nproc: int = 1, collective: bool = True, torchrun: bool = False,
+             max_restarts: int = 3, pg_timeout: float = 60.0, extra: tuple[str, ...] = (),
+             trainer_args: tuple[str, ...] = ()) -> Launcher:
+        common = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
+                  "--monitor-interval", "0.1", *extra]
+        if torchrun:
+            conf = ",".join(f"{k}={v}" for k, v in {**self.query, "join_timeout": self.query["timeout"]}.items()
+                            if k != "timeout")
+            argv = [*common, "--rdzv-backend", TORCHRUN_BACKEND[self.backend.scheme],
+                    "--rdzv-endpoint", self.backend.endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", conf]
+            module = "torch.distributed.run"
+        else:
+            argv = [*common, "--rdzv", self.backend.url(self.run_id, **self.query),
+                    "--log-dir", os.path.join(self.workdir, "logs")]
+            module = "rdzv_agent.launcher"
+        argv += [TRAINER, "--out", self.out, "--pg-timeout", str(pg_timeout), *trainer_args]
+        if collective:
+            argv.append("--collective")
+        launcher = Launcher(argv, self.workdir, name, env={"TEST_NODE": name}, module=module)
+        self.nodes[name] = launcher
+        return launcher
+
+    def records(self, node: str | None = None, kind: str = "step") -> list[dict[str, Any]]:
+        found = []
+        for name in [node] if node else list(self.nodes):
+            try:
+                with open(os.path.join(self.out, f"steps-{name}.jsonl")) as f:
+                    lines = f.read().splitlines()
+            except FileNotFoundError:
+                continue
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line being written
+                    continue
+                if record.get("kind") == kind:
+                    found.append(record)
+        return found
+
+    def steps_at(self, node: str, world: int, after: float = 0.0) -> list[dict[str, Any]]:
+        return [r for r in self.records(node) if r["world"] == world and r["t"] > after]
+
+    def touch(self, name: str) -> None:
+        open(os.path.join(self.out, name), "w").close()
+
+    def _observer(self) -> Rendezvous:
+        """A read-only view of the run through a client of the test's own (opened on first use)."""
+        if self._kv is None:
+            self._kv = open_backend(self.backend.base_url())
+        return Rendezvous(self._kv, self.run_id, RendezvousParams(min_nodes=1))
+
+    def state(self) -> dict[str, Any]:
+        return self._observer().describe()
+
+    def is_closed(self) -> bool:
+        return self._observer().is_closed()
+
+    def close(self) -> None:
+        if self._kv is not None:
+            self._kv.close()
+
+    def tails(self) -> str:
+        return "\n".join(n.tail() for n in self.nodes.values())
+
+
+@pytest.fixture
+def job(backend, tmp_path):
+    j = Job(backend, str(tmp_path))
+    yield j
+    kill_run(list(j.nodes.values()), [j.run_id])
+    j.close()
+
+
+def _training(job: Job, nodes: list[str], world: int, after: float = 0.0, steps: int = 1):
+    return lambda: all(len(job.steps_at(n, world, after)) >= steps for n in nodes)
+
+
+# -- 1. spares ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
+def test_a_node_beyond_max_nodes_waits_as_a_spare_and_replaces_a_dead_member(job, launcher) -> None:
+    """``--nnodes 2:2``, A and B train, C starts: A and B go on with the same workers while C waits;
+    then A is killed and C takes its place (B and C train at world size 2)."""
+    torchrun = launcher == "torchrun"
+    for name in ("A", "B"):
+        job.node(name, "2:2", torchrun=torchrun)
+    wait_until(_training(job, ["A", "B"], 2), START, "A and B training at world size 2", job.tails)
+    job.node("C", "2:2", torchrun=torchrun)
+    wait_until(lambda: job.state().get("waiting", 0) >= 1, START, "C counted as waiting", job.tails)
+    counted = time.time()
+    # while C waits: 4 keep-alive TTLs of steps (>= 50 ms each), all by the workers that were already there
+    wait_until(_training(job, ["A", "B"], 2, after=counted, steps=int(4 * TTL / 0.05)), 60,
+               "A and B training on while C waits", job.tails)
+    for name in ("A", "B"):
+        pids = {r["pid"] for r in job.records(name)}
+        assert len(pids) == 1, f"{name}'s workers were restarted while the spare waited: {pids}\n{job.tails()}"
+    assert job.records("C") == [], "the spare trained although the round was full"
+
+    job.nodes["A"].kill_all()  # A's host is lost
+    killed = time.time()
+    wait_until(_training(job, ["B", "C"], 2, after=killed), 60, "B and the spare C training at world size 2",
+               job.tails)
+    job.touch("stop-all")
+    for name in ("B", "C"):
+        assert job.nodes[name].wait(60) == 0, job.tails()
+
+
+# -- 2. silent loss --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
+def test_a_frozen_node_is_noticed_within_the_keep_alive_ttl(job, launcher) -> None:
+    """SIGSTOP of one node's whole process tree (no FIN, no RST): the two others train at world size 2
+    long before the 60 s collective timeout, without spending a failure restart."""
+    torchrun = launcher == "torchrun"
+    for name in ("A", "B", "C"):
+        job.node(name, "2:3", torchrun=torchrun, pg_timeout=60.0)
+    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
+    job.nodes["C"].freeze()
+    frozen = time.time()
+    # TTL + detection + stopping the hung workers + a new round (0.5 s last call) + new workers (torch import)
+    wait_until(_training(job, ["A", "B"], 2, after=frozen), TTL + 25.0, "A and B training at world size 2",
+               job.tails)
+    first = min(r["t"] for n in ("A", "B") for r in job.steps_at(n, 2, frozen))
+    assert first - frozen < 60.0 - 10.0  # well before the collective timeout would have ended the hang
+    assert {r["restart"] for n in ("A", "B") for r in job.steps_at(n, 2, frozen)} == {0}  # a membership change
+    job.touch("stop-all")
+    for name in ("A", "B"):
+        assert job.nodes[name].wait(60) == 0, job.tails()
+
+
+# -- 3. the exit barrier ----------------------------------------------------------------------------------
+
+
+def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_without_it(job) -> None:
+    """C's workers finish first: C holds at the exit barrier and the run stays open; A's worker then fails:
+    A and B re-form at world size 2 (C leaves, the run still open); when they finish, the run is closed."""
+    for name in ("A", "B", "C"):
+        job.node(name, "2:3", collective=False, max_restarts=1)
+    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
+    job.touch("stop-C")
+    c_workers = job.nodes["C"].descendants()
+    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _running(p) for p in c_workers), 30,
+               "C's workers to finish", job.tails)
+    steps_b = len(job.records("B"))
+    wait_until(lambda: len(job.records("B")) >= steps_b + int(2 * TTL / 0.05), 60, "B training on", job.tails)
+    assert job.nodes["C"].proc.poll() is None, f"C did not wait at the exit barrier\n{job.tails()}"
+    assert not job.is_closed(), "C closed the run while A and B still train"
+
+    job.touch("fail-A")
+    failed = time.time()
+    wait_until(_training(job, ["A", "B"], 2, after=failed), 60, "A and B re-formed at world size 2", job.tails)
+    assert job.nodes["C"].wait(30) == 0, job.tails()
+    assert not job.is_closed(), "C closed the run on leaving the barrier"
+    assert {r["restart"] for r in job.steps_at("A", 2, failed)} == {1}  # A spent its restart
+    assert {r["restart"] for r in job.steps_at("B", 2, failed)} == {0}  # B only re-formed
+    job.touch("stop-all")
+    for name in ("A", "B"):
+        assert job.nodes[name].wait(60) == 0, job.tails()
+    assert job.is_closed()  # the last nodes to finish closed it, together
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
+# -- 4. mixed worker counts ---------------------------------------------------------------------------------
+
+
+def test_nodes_with_different_worker_counts_get_distinct_ranks(job) -> None:
+    """A runs 1 worker, B runs 2: world size 3, global ranks 0-2 by group rank then local rank."""
+    job.node("A", "2:2", nproc=1, collective=False, pg_timeout=20.0, trainer_args=("--max-steps", "1"))
+    job.node("B", "2:2", nproc=2, collective=False, pg_timeout=20.0, trainer_args=("--max-steps", "1"))
+    for name in ("A", "B"):
+        assert job.nodes[name].wait(START) == 0, job.tails()
+    starts = job.records(kind="start")
+    assert sorted(r["rank"] for r in starts) == [0, 1, 2], starts
+    assert {r["world"] for r in starts} == {3} and {r["sum"] for r in starts} == {6}, starts
+    local_sizes = {r["group_rank"]: 1 if r["node"] == "A" else 2 for r in starts}
+    for r in starts:
+        base = sum(size for group_rank, size in local_sizes.items() if group_rank < r["group_rank"])
+        assert r["rank"] == base + r["local_rank"], starts
+        assert (r["role_rank"], r["role_world"]) == (r["rank"], 3), starts
+
