@@ -128,6 +128,9 @@ class Reporter:
         if key == self._last_progress and now - self._last_progress_at < PROGRESS_REPEAT:
             return
         self._last_progress, self._last_progress_at = key, now
+        if phase == "spare":  # the round is full: waiting for a member's place, not for a round
+            self.say(f"rendezvous: round {version} is full ({joined} of max {hi} nodes): waiting as a spare")
+            return
         parts = [f"round {version}" if version else "round ?"]
         if phase:
             parts.append(str(phase))
@@ -160,4 +163,9 @@ class Reporter:
         elif event.kind == "failed":
             self.say("worker group failed; no restarts left")
         elif event.kind == "succeeded":
-            self.say("all local workers finished successfully")
+            barrier = {
+                "complete": "; every node of the round is done",
+                "left": "; the other nodes re-form without this one (the run stays open for them)",
+                "timeout": "; the other nodes did not finish within --exit-barrier-timeout (the run stays open)",
+            }.get(str(d.get("exit_barrier")), "")
+            self.say(f"all local workers finished successfully{barrier}")

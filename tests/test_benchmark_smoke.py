@@ -102,3 +102,35 @@ def test_steady_scenario_judges_a_held_round(tmp_path) -> None:
     assert cell["alive_keys_at_start"] == cell["alive_keys_min"] == 4
     assert cell["monitor_checks"] >= 1 and cell["refreshes"] >= 4  # every key refreshed at least once in 3 s
     assert 0 < cell["refresh_gap_max_s"] < cell["keep_alive_ttl"]
+
+
+def test_elasticity_benchmark_smoke_recovers_from_a_kill_and_seats_the_spare(tmp_path) -> None:
+    """``python -m benchmarks.elastic --smoke``: 3 real rdzv-run nodes over file://, a kill and the spare event
+    (about 30 s). Outcomes only: every job started and recovered, the members did not restart for the spare."""
+    out = tmp_path / "elastic.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.elastic", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    record = json.loads(out.read_text())
+    events = {r["event"]: r for r in record["results"]}
+    assert set(events) == {"kill", "spare"}
+    assert all(r["status"] == "ok" and r["recovery_s"] is not None for r in events.values()), events
+    assert events["spare"]["member_restarts"] == 0 and events["spare"]["spare_steps_in_hold"] == 0
+    assert "spare rdzv-run:file: 0 member restarts while waiting" in {v["what"] for v in record["summary"]["verdicts"]}
+
+
+def test_elasticity_report_marks_a_baseline_that_never_recovered() -> None:
+    from benchmarks import elastic_report
+
+    record = {"config": {"limit_s": 90.0, "targets": ["rdzv-run:redis", "torchrun:c10d"], "events": ["freeze"],
+                         "reps": 3},
+              "results": [{"target": "rdzv-run:redis", "event": "freeze", "recovery_s": v} for v in (6.0, 7.0, 9.0)]
+              + [{"target": "torchrun:c10d", "event": "freeze", "recovery_s": v} for v in (None, None, 64.0)]}
+    summary = elastic_report.summarize(record)
+    ours = next(c for c in summary["cells"] if c["target"] == "rdzv-run:redis")
+    theirs = next(c for c in summary["cells"] if c["target"] == "torchrun:c10d")
+    assert (ours["median_s"], theirs["median_s"], theirs["recovered"]) == (7.0, None, 1)
+    assert ours["x_torchrun:c10d"] == ">12.9"
+    verdicts = {v["what"]: v["met"] for v in summary["verdicts"]}
+    assert verdicts == {"freeze rdzv-run:redis <= 8 s": True,
+                        "freeze rdzv-run:redis >= 5x faster than torchrun:c10d": True}

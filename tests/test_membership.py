@@ -1,7 +1,7 @@
 """Membership dynamics end to end: spares, silently lost nodes, the exit barrier, mixed worker counts.
 
 Every node is a real launcher process (``rdzv-run``, or plain ``torchrun`` with the
-``rdzv-*`` handlers) with gloo workers (:mod:`agent_workers.trainer`) that record
+``rdzv-*`` handlers) with gloo workers (``benchmarks/trainer.py``) that record
 every step with its world size, over real servers: file, Redis, etcd v2 and etcd v3.
 Assertions are on outcomes: world sizes and ranks of the steps, which worker
 processes made them (a new pid is a restart), restart counts, exit codes, whether
@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 
-from agent_workers.harness import HERE, Launcher, kill_run, wait_until
+from agent_workers.harness import REPO, Launcher, kill_run, wait_until
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.membership]
 
-TRAINER = os.path.join(HERE, "trainer.py")
+TRAINER = os.path.join(REPO, "benchmarks", "trainer.py")
 TTL = 2.0  # keep_alive_ttl of these runs (seconds)
 START = 120.0  # seconds for launchers to start, meet and make their first steps (torch imports on 2 cores)
 #: ``--rdzv-backend`` of plain torchrun for each rdzv scheme (see rdzv_core.torchrun).
@@ -85,7 +85,7 @@ class Job:
         argv += [TRAINER, "--out", self.out, "--pg-timeout", str(pg_timeout), *trainer_args]
         if collective:
             argv.append("--collective")
-        launcher = Launcher(argv, self.workdir, name, env={"TEST_NODE": name}, module=module)
+        launcher = Launcher(argv, self.workdir, name, env={"TRAINER_NODE": name}, module=module)
         self.nodes[name] = launcher
         return launcher
 

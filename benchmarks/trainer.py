@@ -1,11 +1,12 @@
-"""A training-loop worker for the membership tests: gloo steps, each recorded with its world size.
+"""A training-loop worker for the elasticity benchmark and the membership tests: gloo steps, each
+recorded with its world size.
 
 Every worker joins the process group from torchrun's variables (``env://``,
 gloo, ``--pg-timeout`` seconds), then loops: with ``--collective`` every step is
 an ``all_reduce`` of 1 (checked to equal ``WORLD_SIZE``); without it the first
 step is, the rest are local. After each step it appends one JSON line to
-``OUT/steps-<NODE>.jsonl`` (``NODE`` is the ``TEST_NODE`` variable the test gives
-each launcher)::
+``OUT/steps-<NODE>.jsonl`` (``NODE`` is the ``TRAINER_NODE`` variable the caller gives
+each launcher: the launchers pass their environment to their workers)::
 
     {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "step", "t"}
 
@@ -40,7 +41,7 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    node = os.environ.get("TEST_NODE", "node")
+    node = os.environ.get("TRAINER_NODE", "node")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     path = os.path.join(args.out, f"steps-{node}.jsonl")
     base = {
