@@ -175,7 +175,9 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
         since = member.get("since")
         age = f", member for {max(0.0, now - since):.0f} s" if isinstance(since, (int, float)) else ""
         left, kage = member.get("ttl_left"), member.get("keep_alive_age")
-        if left is None:
+        if isinstance(member.get("finished"), (int, float)):
+            alive = f"finished {max(0.0, now - member['finished']):.0f} s ago (left the round, work done)"
+        elif left is None:
             alive = "keep-alive live (the backend does not report its age)"
         elif left <= 0:
             alive = "keep-alive LAPSED"

@@ -169,3 +169,41 @@ def test_overrides_win_and_are_validated(base: str) -> None:
     with pytest.raises(ConfigError):
         create_handler(_url(base), min_nodes=5, max_nodes=2)
     h.shutdown()
+
+
+def test_shutdown_leaves_the_run_open_when_the_others_re_formed_without_this_node(base: str) -> None:
+    """torch's handlers close the run in ``shutdown()`` (torchrun's end of a job); when the others already
+    re-formed without this node -- it waited at torch's exit barrier, or stalled -- that would stop them at
+    their next re-formation. Here it leaves the run open; a member of the live round still closes it."""
+    url = _url(base, min_nodes=2, max_nodes=3)
+    handlers = [create_handler(url, local_addr="127.0.0.1") for _ in range(3)]
+    first = _in_threads(handlers)
+    assert sorted(i.rank for i in first) == [0, 1, 2], first
+    behind, *others = handlers
+    again = _in_threads(others)  # the two re-form (the first to leave deletes its key: the round is destroyed)
+    assert sorted(i.rank for i in again) == [0, 1] and {i.world_size for i in again} == {2}, again
+    assert behind.shutdown() is True
+    assert not others[0].is_closed(), "a node left behind closed the run under the two that train on"
+    assert others[0].shutdown() is True
+    assert others[1].is_closed()
+    others[1].shutdown()
+
+
+def test_a_spare_under_a_closed_run_gets_torchs_graceful_exit(base: str) -> None:
+    url = _url(base, min_nodes=2, max_nodes=2)
+    members = [create_handler(url, local_addr="127.0.0.1") for _ in range(2)]
+    _in_threads(members)
+    spare = create_handler(url, local_addr="127.0.0.1")
+    outcome: list = []
+    thread = threading.Thread(target=lambda: outcome.extend(_in_threads([spare])))
+    thread.start()
+    deadline = time.monotonic() + 20
+    while members[0].rendezvous.describe().get("waiting") != 1:
+        assert time.monotonic() < deadline, "the spare was never counted as waiting"
+        time.sleep(0.02)
+    assert [m.num_nodes_waiting() for m in members] == [0, 0]  # a full round: no restart for a spare
+    members[0].shutdown()
+    thread.join(30)
+    assert isinstance(outcome[0], torch_api.RendezvousGracefulExitError), outcome
+    members[1].shutdown()
+    spare.release()
