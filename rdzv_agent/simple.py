@@ -163,6 +163,7 @@ class SimpleElasticAgent(ElasticAgent):
     def exit_barrier(self) -> str | None:
         """How the exit barrier ended: ``"complete"`` (every agent of the round finished),
         ``"left"`` (the round ended meanwhile: a member failed and the others re-form),
+        ``"closed"`` (another node ended the job meanwhile: it closed the run),
         ``"timeout"``, ``"skipped"`` (timeout 0), or ``None`` (the workers did not succeed)."""
         return self._exit_barrier_outcome
 
@@ -401,9 +402,20 @@ class SimpleElasticAgent(ElasticAgent):
         log.info("[%s] waiting up to %.0f s for the other nodes of the round to finish", group.spec.role,
                  self._exit_barrier_timeout)
         started = time.monotonic()
-        self._exit_barrier_outcome = coordination.exit_barrier(
-            group.store, int(group.group_world_size or 1), self._exit_barrier_timeout, group.spec.monitor_interval,
-            self._round_gone)
+        closed: list[bool] = []
+
+        def should_leave() -> bool:  # the round is gone, or the job ended (a node closed the run)
+            if self._round_gone():
+                return True
+            try:
+                closed[:] = [bool(group.spec.rdzv_handler.is_closed())]
+            except RendezvousConnectionError:
+                return False
+            return closed[0]
+
+        outcome = coordination.exit_barrier(group.store, int(group.group_world_size or 1), self._exit_barrier_timeout,
+                                            group.spec.monitor_interval, should_leave)
+        self._exit_barrier_outcome = "closed" if outcome == coordination.LEFT and closed and closed[0] else outcome
         log.info("[%s] exit barrier: %s after %.1f s", group.spec.role, self._exit_barrier_outcome,
                  time.monotonic() - started)
 

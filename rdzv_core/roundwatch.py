@@ -90,7 +90,6 @@ class _RoundWatch:
         self.dead: list[KVBackend] = []  # clients found closed
         self.lock = threading.Lock()
         self.stopped = threading.Event()
-        self.destroyed = threading.Event()  #: set once the round was found broken (destroyed by us or not)
         self.thread = threading.Thread(target=self._run, daemon=True,
                                        name=f"{THREAD_PREFIX}-{keys.run_id}-v{keys.version}")
 
@@ -158,7 +157,6 @@ class _RoundWatch:
                      k.run_id, k.version, missing)
         except (CompareFailed, KeyNotFound):
             pass  # destroyed (or replaced) by someone else first
-        self.destroyed.set()
         return None
 
 

@@ -1,0 +1,79 @@
+"""``rdzv_agent.coordination``: torch's rank assignment and exit barrier over a round's store (memory backend)."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+import uuid
+
+import pytest
+
+pytest.importorskip("torch")
+
+from rdzv_agent import coordination  # noqa: E402
+from rdzv_core import open_backend  # noqa: E402
+from rdzv_core.store import KVStore  # noqa: E402
+
+
+@pytest.fixture
+def store():
+    kv = open_backend(f"memory://coord{uuid.uuid4().hex[:8]}/")
+    yield KVStore(kv, "round/", datetime.timedelta(seconds=10))
+    kv.close()
+
+
+def _threads(fns):
+    out = [None] * len(fns)
+
+    def run(i):
+        out[i] = fns[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_ranks_follow_group_rank_then_local_rank_with_mixed_sizes_and_roles(store) -> None:
+    """torch's ``_assign_worker_ranks``: bases are cumulative local world sizes; role ranks count per role."""
+    nodes = [("trainer", 2), ("trainer", 1), ("evaluator", 3), ("trainer", 4)]  # group ranks 0..3
+    deadline = time.monotonic() + 20
+    results = _threads([
+        (lambda g=g, role=role, n=n: coordination.assign_ranks(store, role, g, len(nodes), n, deadline, 0.05,
+                                                               lambda: False))
+        for g, (role, n) in enumerate(nodes)
+    ])
+    assert results == [(0, 10, 0, 7), (2, 10, 2, 7), (3, 10, 0, 3), (6, 10, 3, 7)]
+
+
+def test_a_missing_agent_ends_the_wait_when_the_round_is_gone(store) -> None:
+    """Group rank 0 waits for a member that never publishes; the round ends (a lost member): RoundGone at once."""
+    gone = threading.Event()
+    threading.Timer(0.3, gone.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(coordination.RoundGone):
+        coordination.assign_ranks(store, "trainer", 0, 2, 1, time.monotonic() + 60, 0.05, gone.is_set)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(coordination.SetupTimeout):
+        coordination.assign_ranks(store, "trainer", 0, 3, 1, time.monotonic() + 0.3, 0.05, lambda: False)
+
+
+def test_exit_barrier_completes_when_every_agent_arrives(store) -> None:
+    results = _threads([lambda: coordination.exit_barrier(store, 3, 20, 0.05, lambda: False)] * 3)
+    assert results == [coordination.COMPLETE] * 3
+
+
+def test_exit_barrier_ends_when_the_round_ends_or_times_out(store) -> None:
+    gone = threading.Event()
+    threading.Timer(0.3, gone.set).start()
+    t0 = time.monotonic()
+    assert coordination.exit_barrier(store, 2, 60, 0.05, gone.is_set) == coordination.LEFT
+    assert time.monotonic() - t0 < 10
+    t0 = time.monotonic()
+    other = KVStore(store._kv, "other-round/", datetime.timedelta(seconds=10))
+    assert coordination.exit_barrier(other, 2, 0.5, 0.05, lambda: False) == coordination.TIMED_OUT
+    assert 0.5 <= time.monotonic() - t0 < 10
+    assert coordination.exit_barrier(other, 1, 0.5, 0.05, lambda: False) == coordination.COMPLETE

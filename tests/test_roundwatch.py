@@ -1,0 +1,44 @@
+"""``rdzv_core.roundwatch``: the members of a round in one process share one watch thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from rdzv_core import Rendezvous, RendezvousParams, open_backend, roundwatch
+
+
+def _watch_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(roundwatch.THREAD_PREFIX)]
+
+
+def test_members_in_one_process_share_one_watch_and_the_last_one_out_stops_it() -> None:
+    name = f"rw{uuid.uuid4().hex[:8]}"
+    clients = [open_backend(f"memory://{name}/") for _ in range(3)]
+    params = RendezvousParams(min_nodes=3, max_nodes=3, keep_alive_ttl=1.0, timeout=20)
+    members = [Rendezvous(kv, "job", params) for kv in clients]
+    try:
+        results: list = [None] * 3
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].next_round()))
+                   for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        version = results[0].version
+        ours = {k: v for k, v in roundwatch.watched_rounds().items() if k[0] == members[0].root}
+        assert list(ours.values()) == [3] and next(iter(ours))[1] == version
+        assert len([t for t in _watch_threads() if t.name.endswith(f"v{version}")]) == 1
+        clients[0].close()  # the client the watch may be using: the watch goes on with another one's
+        members[1].leave()
+        deadline = time.monotonic() + 10
+        while members[2].num_nodes_waiting() < 1:  # the remaining member's watch destroyed the round
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for m in (members[0], members[2]):
+            m.leave()
+        assert not any(k[0] == members[0].root for k in roundwatch.watched_rounds())
+    finally:
+        for kv in clients:
+            kv.close()
