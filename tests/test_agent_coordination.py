@@ -14,6 +14,7 @@ pytest.importorskip("torch")
 from rdzv_agent import coordination  # noqa: E402
 from rdzv_core import open_backend  # noqa: E402
 from rdzv_core.store import KVStore  # noqa: E402
+from conformance_tests.test_protocol import run_threads  # noqa: E402
 
 
 @pytest.fixture
@@ -23,29 +24,12 @@ def store():
     kv.close()
 
 
-def _threads(fns):
-    out = [None] * len(fns)
-
-    def run(i):
-        out[i] = fns[i]()
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return out
-
-
 def test_ranks_follow_group_rank_then_local_rank_with_mixed_sizes_and_roles(store) -> None:
     """torch's ``_assign_worker_ranks``: bases are cumulative local world sizes; role ranks count per role."""
     nodes = [("trainer", 2), ("trainer", 1), ("evaluator", 3), ("trainer", 4)]  # group ranks 0..3
     deadline = time.monotonic() + 20
-    results = _threads([
-        (lambda g=g, role=role, n=n: coordination.assign_ranks(store, role, g, len(nodes), n, deadline, 0.05,
-                                                               lambda: False))
-        for g, (role, n) in enumerate(nodes)
-    ])
+    results = run_threads(len(nodes), lambda g: coordination.assign_ranks(
+        store, nodes[g][0], g, len(nodes), nodes[g][1], deadline, 0.05, lambda: False))
     assert results == [(0, 10, 0, 7), (2, 10, 2, 7), (3, 10, 0, 3), (6, 10, 3, 7)]
 
 
@@ -62,7 +46,7 @@ def test_a_missing_agent_ends_the_wait_when_the_round_is_gone(store) -> None:
 
 
 def test_exit_barrier_completes_when_every_agent_arrives(store) -> None:
-    results = _threads([lambda: coordination.exit_barrier(store, 3, 20, 0.05, lambda: False)] * 3)
+    results = run_threads(3, lambda _: coordination.exit_barrier(store, 3, 20, 0.05, lambda: False))
     assert results == [coordination.COMPLETE] * 3
 
 
