@@ -31,7 +31,7 @@ from torch.distributed import DistError
 
 from rdzv_core.errors import RdzvError
 
-__all__ = ["RoundGone", "SetupTimeout", "wait_values", "assign_ranks", "exit_barrier", "BARRIER_PREFIX",
+__all__ = ["RoundGone", "SetupTimeout", "wait_keys", "wait_values", "assign_ranks", "exit_barrier", "BARRIER_PREFIX",
            "COMPLETE", "LEFT", "TIMED_OUT"]
 
 #: torch's keys (``_TERMINAL_STATE_SYNC_ID``, ``_assign_worker_ranks``'s prefixes).
@@ -51,13 +51,15 @@ class SetupTimeout(Exception):
     """The keys did not appear in the round's store within the deadline (an agent of the round vanished)."""
 
 
-def wait_values(store: Any, keys: Sequence[str], deadline: float, poll: float,
-                should_leave: Callable[[], bool]) -> list[bytes]:
-    """The values of ``keys`` in the c10d ``store`` once all are set.
+def wait_keys(store: Any, keys: Sequence[str], deadline: float, poll: float | None,
+              should_leave: Callable[[], bool]) -> None:
+    """Wait until every key in ``keys`` is set in the c10d ``store``.
 
     Args:
         deadline: ``time.monotonic()`` value to give up at.
         poll: seconds per wait slice (> 0); ``should_leave()`` is called after each empty slice.
+            ``None``: one wait until the deadline (a store hosted by a node that leaves once the
+            keys are set, torch's static rendezvous: a later slice would find it gone).
 
     Raises:
         RoundGone: ``should_leave()`` returned true.
@@ -66,17 +68,29 @@ def wait_values(store: Any, keys: Sequence[str], deadline: float, poll: float,
     while True:
         remaining = deadline - time.monotonic()
         try:
-            store.wait(list(keys), datetime.timedelta(seconds=max(0.001, min(poll, remaining))))
-            return list(store.multi_get(list(keys)))
+            store.wait(list(keys), datetime.timedelta(seconds=max(0.001, remaining if poll is None
+                                                                  else min(poll, remaining))))
+            return
         except (DistError, RdzvError) as exc:  # a slice ran out (or the backend failed): look around
-            if should_leave():
+            if poll is not None and should_leave():
                 raise RoundGone(f"the round ended while waiting for {list(keys)[:3]} in its store") from exc
-            if time.monotonic() >= deadline:
+            if poll is None or time.monotonic() >= deadline:
                 raise SetupTimeout(f"store keys {list(keys)[:3]} not set in time: {exc}") from exc
 
 
+def wait_values(store: Any, keys: Sequence[str], deadline: float, poll: float | None,
+                should_leave: Callable[[], bool]) -> list[bytes]:
+    """The values of ``keys`` once all are set (:func:`wait_keys`, then one ``multi_get``).
+
+    Raises:
+        RoundGone, SetupTimeout: see :func:`wait_keys`.
+    """
+    wait_keys(store, keys, deadline, poll, should_leave)
+    return list(store.multi_get(list(keys)))
+
+
 def assign_ranks(store: Any, role: str, group_rank: int, group_world_size: int, local_world_size: int,
-                 deadline: float, poll: float, should_leave: Callable[[], bool]) -> tuple[int, int, int, int]:
+                 deadline: float, poll: float | None, should_leave: Callable[[], bool]) -> tuple[int, int, int, int]:
     """``(base global rank, world size, base role rank, role world size)`` of this agent's workers.
 
     torch's algorithm and keys (module docstring); with ``TORCH_ELASTIC_WORKER_IDENTICAL=1``
@@ -112,7 +126,7 @@ def assign_ranks(store: Any, role: str, group_rank: int, group_world_size: int, 
     return int(base), int(world), int(role_base), int(role_world)
 
 
-def exit_barrier(store: Any, group_world_size: int, timeout: float, poll: float,
+def exit_barrier(store: Any, group_world_size: int, timeout: float, poll: float | None,
                  should_leave: Callable[[], bool]) -> str:
     """Count this agent in and wait for the round's other agents (torch's keys, module docstring).
 
@@ -128,7 +142,7 @@ def exit_barrier(store: Any, group_world_size: int, timeout: float, poll: float,
     if store.add(BARRIER_PREFIX + "/num_members", 1) == group_world_size:
         store.set(last_member, b"<val_ignored>")
     try:
-        wait_values(store, [last_member], deadline, poll, should_leave)
+        wait_keys(store, [last_member], deadline, poll, should_leave)
     except RoundGone:
         return LEFT
     except SetupTimeout:

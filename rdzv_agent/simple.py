@@ -413,8 +413,11 @@ class SimpleElasticAgent(ElasticAgent):
                 return False
             return closed[0]
 
+        # a store the handler shares (torch's static rendezvous: node rank 0's agent hosts it) goes away with its
+        # host once the barrier completed: one wait, as torch's agent does, instead of slices
+        poll = None if group.use_agent_store else group.spec.monitor_interval
         outcome = coordination.exit_barrier(group.store, int(group.group_world_size or 1), self._exit_barrier_timeout,
-                                            group.spec.monitor_interval, should_leave)
+                                            poll, should_leave)
         self._exit_barrier_outcome = "closed" if outcome == coordination.LEFT and closed and closed[0] else outcome
         log.info("[%s] exit barrier: %s after %.1f s", group.spec.role, self._exit_barrier_outcome,
                  time.monotonic() - started)
