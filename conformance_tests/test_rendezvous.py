@@ -462,3 +462,36 @@ def test_others_carry_on_once_the_round_re_formed_without_this_node(agents) -> N
     _assert_round(_wait_all(others), 2)
     assert left_behind.rdzv.others_carry_on()
     assert [a.rdzv.others_carry_on() for a in others] == [False, False]
+
+
+def test_a_survivor_keeps_its_place_against_two_spares(agents) -> None:
+    """A full round of 2 with two spares waiting; a member is lost. The survivor, re-forming as its agent does,
+    must not lose its place to the spares (they wait for the old round's live members to join first)."""
+    members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    _wait_all(members)
+    spares = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    _until_true(lambda: members[1].rdzv.describe().get("waiting") == 2, 20, "both spares counted as waiting")
+    lost, survivor = members
+    lost.kv.close()
+    _until_true(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
+    time.sleep(0.2)  # an agent stops its workers first; the spares saw the lapse at least as early
+    result = survivor.start().wait(20 * TTL)
+    assert result.world_size == 2
+    _until_true(lambda: sum(s.done.is_set() for s in spares) == 1, 20 * TTL, "one spare admitted")
+    admitted = next(s for s in spares if s.done.is_set())
+    assert admitted.wait(1).version == result.version
+    assert not next(s for s in spares if not s.done.is_set()).done.is_set()  # the other one is a spare again
+
+
+def test_a_member_marked_finished_may_die_without_breaking_the_round(agents) -> None:
+    """A member whose work is done (its agent waits at the exit barrier) is marked finished, then dies:
+    its key stays, so the others carry on; without the mark they would destroy the round and re-form."""
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
+    r1 = _wait_all(group)
+    assert group[0].rdzv.mark_finished() and not group[0].rdzv.mark_finished()  # idempotent
+    assert group[1].rdzv.others_still_working()
+    group[0].kv.close()  # dies while it waits: no keep-alive any more
+    time.sleep(3 * TTL)  # what is asserted is that nothing happens: an unmarked key would have lapsed by now
+    assert [a.rdzv.num_nodes_waiting() for a in group[1:]] == [0, 0]
+    state = group[1].rdzv.describe()
+    assert (state["status"], state["version"]) == ("final", r1[0].version)

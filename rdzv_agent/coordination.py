@@ -9,10 +9,12 @@ keys and value formats, so the numbers are the ones torchrun gives:
   global ranks follow group rank order, then local rank, so nodes may run
   different numbers of workers (``--nproc-per-node``). O(1) per agent, O(N) on rank 0.
 * :func:`exit_barrier` -- torch's ``_exit_barrier`` (``store_util.barrier``): an agent
-  whose workers succeeded counts itself in and waits until every agent of the round
+  whose workers succeeded counts itself in (under torch's key prefix, which tells
+  rdzv's handler the member finished) and waits until every agent of the round
   has, at most ``timeout`` seconds. Unlike torch's it also ends as soon as
   ``should_leave()`` is true (the round is gone: another member failed and the others
-  re-form), instead of holding the node for the whole timeout.
+  re-form), instead of holding the node for the whole timeout, and it outlasts a
+  backend restart.
 
 Every wait on the store is cut into slices; between slices ``should_leave()`` is asked,
 so an agent never blocks on a round that no longer exists.
@@ -66,16 +68,20 @@ def wait_keys(store: Any, keys: Sequence[str], deadline: float, poll: float | No
         SetupTimeout: not all set by ``deadline``.
     """
     while True:
-        remaining = deadline - time.monotonic()
+        started = time.monotonic()
+        remaining = deadline - started
+        slice_s = max(0.001, remaining if poll is None else min(poll, remaining))
         try:
-            store.wait(list(keys), datetime.timedelta(seconds=max(0.001, remaining if poll is None
-                                                                  else min(poll, remaining))))
+            store.wait(list(keys), datetime.timedelta(seconds=slice_s))
             return
         except (DistError, RdzvError) as exc:  # a slice ran out (or the backend failed): look around
             if poll is not None and should_leave():
                 raise RoundGone(f"the round ended while waiting for {list(keys)[:3]} in its store") from exc
             if poll is None or time.monotonic() >= deadline:
                 raise SetupTimeout(f"store keys {list(keys)[:3]} not set in time: {exc}") from exc
+            early = slice_s - (time.monotonic() - started)  # a backend that refuses at once: no busy loop
+            if early > 0:
+                time.sleep(min(early, max(0.0, deadline - time.monotonic())))
 
 
 def wait_values(store: Any, keys: Sequence[str], deadline: float, poll: float | None,
@@ -126,9 +132,14 @@ def assign_ranks(store: Any, role: str, group_rank: int, group_world_size: int, 
     return int(base), int(world), int(role_base), int(role_world)
 
 
-def exit_barrier(store: Any, group_world_size: int, timeout: float, poll: float | None,
+def exit_barrier(store: Any, group_rank: int, group_world_size: int, timeout: float, poll: float | None,
                  should_leave: Callable[[], bool]) -> str:
-    """Count this agent in and wait for the round's other agents (torch's keys, module docstring).
+    """Count this agent in and wait for the round's other agents, at most ``timeout`` seconds.
+
+    Each agent sets its own key ``BARRIER_PREFIX/arrived/GROUP_RANK`` (torch counts
+    with ``add``, which a retry after a lost answer could count twice) and waits for
+    all of them; backend errors are retried within the timeout, so a backend restart
+    at the end of the job is waited out (torch's barrier logs them and gives up).
 
     Returns:
         :data:`COMPLETE` (every agent of the round arrived), :data:`LEFT`
@@ -138,11 +149,19 @@ def exit_barrier(store: Any, group_world_size: int, timeout: float, poll: float 
     if group_world_size <= 1:
         return COMPLETE
     deadline = time.monotonic() + timeout
-    last_member = BARRIER_PREFIX + "/last_member"
-    if store.add(BARRIER_PREFIX + "/num_members", 1) == group_world_size:
-        store.set(last_member, b"<val_ignored>")
+    keys = [f"{BARRIER_PREFIX}/arrived/{r}" for r in range(group_world_size)]
+    while True:
+        try:
+            store.set(keys[group_rank], b"1")
+            break
+        except (DistError, RdzvError):
+            if should_leave():
+                return LEFT
+            if time.monotonic() >= deadline:
+                return TIMED_OUT
+            time.sleep(min(poll or 0.5, max(0.0, deadline - time.monotonic())))
     try:
-        wait_keys(store, [last_member], deadline, poll, should_leave)
+        wait_keys(store, keys, deadline, poll, should_leave)
     except RoundGone:
         return LEFT
     except SetupTimeout:

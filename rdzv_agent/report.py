@@ -162,6 +162,9 @@ class Reporter:
                 self.say(f"  {exc}")
         elif event.kind == "failed":
             self.say("worker group failed; no restarts left")
+        elif event.kind == "exit_barrier":
+            self.say(f"all local workers finished; waiting up to {d['timeout']:g} s for the other nodes of the "
+                     "round to finish (exit barrier)")
         elif event.kind == "succeeded":
             barrier = {
                 "complete": "; every node of the round is done",

@@ -78,14 +78,15 @@ class AgentEvent:
 
     Attributes:
         kind: ``"rendezvous"`` (about to wait for a round), ``"rendezvous_done"``,
-            ``"started"``, ``"restarting"``, ``"succeeded"`` or ``"failed"``.
+            ``"started"``, ``"restarting"``, ``"exit_barrier"``, ``"succeeded"`` or ``"failed"``.
         role: the spec's role.
         data: details by kind — ``rendezvous``: ``attempt``; ``rendezvous_done``:
             ``group_rank``, ``group_world_size``, ``world_size``, ``global_ranks``,
             ``master_addr``, ``master_port``; ``started``: ``pids``;
             ``restarting``: ``reason`` (``"failed"``, ``"membership"``,
             ``"port_in_use"``, ``"no_master"``), ``remaining_restarts``, ``failures`` or
-            ``nodes_waiting``; ``failed``: ``failures``.
+            ``nodes_waiting``; ``exit_barrier``: ``timeout`` (about to wait);
+            ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``.
     """
 
     kind: str
@@ -416,8 +417,9 @@ class SimpleElasticAgent(ElasticAgent):
         # a store the handler shares (torch's static rendezvous: node rank 0's agent hosts it) goes away with its
         # host once the barrier completed: one wait, as torch's agent does, instead of slices
         poll = None if group.use_agent_store else group.spec.monitor_interval
-        outcome = coordination.exit_barrier(group.store, int(group.group_world_size or 1), self._exit_barrier_timeout,
-                                            poll, should_leave)
+        self._emit("exit_barrier", timeout=self._exit_barrier_timeout)
+        outcome = coordination.exit_barrier(group.store, int(group.group_rank or 0), int(group.group_world_size or 1),
+                                            self._exit_barrier_timeout, poll, should_leave)
         self._exit_barrier_outcome = "closed" if outcome == coordination.LEFT and closed and closed[0] else outcome
         log.info("[%s] exit barrier: %s after %.1f s", group.spec.role, self._exit_barrier_outcome,
                  time.monotonic() - started)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import random
+import time
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 
 from . import errors
 from .kv import KVBackend
+from .outage import OutageLog
 from .rendezvous import Progress, Rendezvous, RendezvousParams
 from .store import KVStore
 
@@ -38,6 +41,12 @@ HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "
                      "local_addr", "on_progress", "store_timeout", "backend_name")
 
 T = TypeVar("T")
+
+#: Seconds ``shutdown()`` keeps trying to close the run while the backend is unreachable (a restart);
+#: at most the rendezvous ``timeout``.
+SHUTDOWN_RETRY = 30.0
+#: Key prefix of torch's agent exit barrier in the round's store (torch's ``_TERMINAL_STATE_SYNC_ID``).
+EXIT_BARRIER_PREFIX = "torchelastic/agent/terminal_state"
 
 
 def _mapped(fn: Callable[..., T]) -> Callable[..., T]:
@@ -91,6 +100,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._store_timeout = datetime.timedelta(seconds=store_timeout)
         self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
         self._closed_ok = False
+        self._waiting_outage = OutageLog(log.log)
 
     @classmethod
     def from_url(cls, url: str, **overrides: Any) -> "RdzvHandler":
@@ -147,7 +157,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         """Join the next round; block until it is final (see ``Rendezvous.next_round``)."""
         result = self._rdzv.next_round()
         prefix = self._rdzv.store_prefix(result.version)
-        store = KVStore(self._kv, prefix, self._store_timeout)
+        store = _RoundStore(self._kv, prefix, self._store_timeout, on_exit_barrier=self._rdzv.mark_finished)
         # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it at most
         # min(store timeout, rendezvous timeout), then report a timeout (rank 0 died).
         wait = datetime.timedelta(seconds=min(self._store_timeout.total_seconds(), self.params.timeout))
@@ -170,7 +180,22 @@ class RdzvHandler(torch_api.RendezvousHandler):
 
     @_mapped
     def num_nodes_waiting(self) -> int:
-        return self._rdzv.num_nodes_waiting()
+        """See ``Rendezvous.num_nodes_waiting``; 0 while the backend is unreachable.
+
+        torch's agent loop calls this every ``--monitor-interval`` and ends the job on
+        any error it raises, so a Redis restart of a second would end a torchrun job on
+        every node. The workers do not need the backend while they train: this answers
+        0 (one WARNING per outage, INFO when it answers again) and membership changes
+        are seen once the backend is back.
+        """
+        try:
+            waiting = self._rdzv.num_nodes_waiting()
+        except errors.BackendUnavailable as exc:
+            self._waiting_outage.failed("run %s: cannot check for waiting nodes (the workers keep running): %s",
+                                        self._rdzv.run_id, exc)
+            return 0
+        self._waiting_outage.recovered("run %s: the backend answers the waiting-node check again", self._rdzv.run_id)
+        return waiting
 
     def shutdown(self) -> bool:
         """End this node's part in the run *and close the run*, as torch's handlers do.
@@ -183,10 +208,14 @@ class RdzvHandler(torch_api.RendezvousHandler):
         (:meth:`set_closed`), leave the round (delete this node's keep-alive key),
         release the backend. A new job needs a new run id.
 
-        Better than torch: when the run goes on without this node (its live round is
-        one this node is not a member of: the others re-formed without it, e.g. while
-        it waited at torch's exit barrier or stalled), the run is left open
-        (:meth:`~rdzv_core.rendezvous.Rendezvous.others_carry_on`).
+        Better than torch: the run is left open when it goes on without this node (its
+        live round is one this node is not a member of: the others re-formed without
+        it, e.g. while it waited at the exit barrier or stalled; see
+        ``Rendezvous.others_carry_on``), and when this node finished (its agent counted
+        itself into the exit barrier) while other members of its round still work
+        (the barrier timed out: they close the run when they finish). A backend that
+        is unreachable is retried for up to :data:`SHUTDOWN_RETRY` seconds (at most the
+        rendezvous ``timeout``).
 
         Idempotent: later calls return the first call's result. After
         :meth:`release` the backend is gone, so it cannot close the run: it logs a
@@ -204,21 +233,41 @@ class RdzvHandler(torch_api.RendezvousHandler):
                 return False
             return self._closed_ok
         self._ended = "shut"
-        try:
-            if self._rdzv.others_carry_on():
-                # torch closes the run here; but the others re-formed without this node and still
-                # train: closing would stop them at their next re-formation. Leave it open.
-                log.info("run %s: the other nodes carry on without this node; leaving the run open",
-                         self._rdzv.run_id)
-            else:
-                self._rdzv.set_closed()
-            self._closed_ok = True
-        except errors.RdzvError as exc:
-            log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
-                        self._rdzv.run_id, type(exc).__name__, exc)
-            self._closed_ok = False
+        retry = min(SHUTDOWN_RETRY, self.params.timeout)
+        deadline = time.monotonic() + retry
+        while True:
+            try:
+                self._closed_ok = self._close_unless_others_carry_on()
+                break
+            except errors.BackendUnavailable as exc:  # a backend restart at the end of the job: wait for it
+                if time.monotonic() >= deadline:
+                    log.warning("run %s: failed to close the rendezvous at shutdown (backend unavailable for %.0f s):"
+                                " %s", self._rdzv.run_id, retry, exc)
+                    self._closed_ok = False
+                    break
+                time.sleep(random.uniform(0.2, 0.5))
+            except errors.RdzvError as exc:
+                log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
+                            self._rdzv.run_id, type(exc).__name__, exc)
+                self._closed_ok = False
+                break
         self._leave_and_release()
         return self._closed_ok
+
+    def _close_unless_others_carry_on(self) -> bool:
+        """``set_closed()`` unless the run goes on without this node (see :meth:`shutdown`); True."""
+        rdzv = self._rdzv
+        if rdzv.others_carry_on():
+            # torch closes the run here; but the others re-formed without this node and still train:
+            # closing would stop them at their next re-formation. Leave it open.
+            log.info("run %s: the other nodes carry on without this node; leaving the run open", rdzv.run_id)
+        elif rdzv.finished and rdzv.others_still_working():
+            # this node's workers succeeded (it counted itself into the exit barrier) and it is leaving before
+            # the others finished (the barrier timed out): they close the run when they finish
+            log.info("run %s: this node finished before the others; leaving the run open for them", rdzv.run_id)
+        else:
+            rdzv.set_closed()
+        return True
 
     def release(self, finished: bool = False) -> None:
         """Leave the round and release the backend; the run stays *open* for the others.
@@ -242,3 +291,32 @@ class RdzvHandler(torch_api.RendezvousHandler):
         except errors.RdzvError as exc:
             log.warning("run %s: could not leave the round cleanly: %s", self._rdzv.run_id, exc)
         self._kv.close()
+
+
+class _RoundStore(KVStore):
+    """The round's c10d Store, which also tells the rendezvous when this node's agent enters its exit barrier.
+
+    torch's agent (and rdzv-run's) counts itself into the exit barrier only after its
+    workers succeeded, with a write under :data:`EXIT_BARRIER_PREFIX`; the first such
+    write marks this member finished (``Rendezvous.mark_finished``), so if the node
+    ends or dies while it waits there the others are not made to re-form.
+    """
+
+    def __init__(self, kv: KVBackend, prefix: str, timeout: datetime.timedelta,
+                 on_exit_barrier: Callable[[], object]) -> None:
+        super().__init__(kv, prefix, timeout)
+        self._on_exit_barrier: Callable[[], object] | None = on_exit_barrier
+
+    def _entering(self, key: str | bytes) -> None:
+        name = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+        if self._on_exit_barrier is not None and name.startswith(EXIT_BARRIER_PREFIX):
+            hook, self._on_exit_barrier = self._on_exit_barrier, None
+            hook()
+
+    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+        self._entering(key)
+        super().set(key, value)
+
+    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+        self._entering(key)
+        return super().add(key, amount)

@@ -270,6 +270,11 @@ class Rendezvous:
         self._keepalive: KeepAlive | None = None
         self._alive_key: str | None = None
         self._alive_info: dict[str, Any] = {}
+        self._finished = False  # this member's key is marked finished (mark_finished)
+        # After waiting as a late node: (incumbents, monotonic deadline): the members of that round that
+        # were alive; the next round's ticket is taken only once that many joined (or at the deadline),
+        # so a spare never displaces a member that is re-forming (see _join).
+        self._defer: tuple[int, float] | None = None
         self._final_revision = 0  # revision of the final record of the round _confirm returned
         self._watched: roundwatch.RoundKeys | None = None  # the round whose lapse watch we subscribed to
         self._spare_since: float | None = None  # when this node began waiting as a spare (monotonic)
@@ -302,7 +307,7 @@ class Rendezvous:
         """
         with self._lock:
             self.leave()
-            self._spare_since = None
+            self._spare_since = self._defer = None
             try:
                 return self._rounds_until(time.monotonic() + self.params.timeout)
             finally:
@@ -350,22 +355,63 @@ class Rendezvous:
 
         Args:
             finished: this node's work is done and the other members carry on in the
-                round: its keep-alive key is rewritten without TTL and marked
-                ``finished`` instead of deleted, so nobody takes it for a lost member
-                (without it, the other members destroy the round and re-form). Used
-                by an agent that leaves its exit barrier before the others finished.
+                round: as :meth:`mark_finished`, its key stays (marked, without TTL)
+                instead of being deleted, so nobody takes it for a lost member (a
+                deleted key makes the other members destroy the round and re-form).
+                Implied once :meth:`mark_finished` was called.
         """
         self._unwatch_round()
-        if finished and self._alive_key is not None and self._keepalive is not None:
-            key = self._alive_key
-            self._stop_keepalive(delete=False)
-            try:
-                self.kv.put(key, _encode({**self._alive_info, "finished": round(time.time(), 3)}))
-            except (BackendUnavailable, BackendClosed) as exc:
-                self._log(logging.WARNING, "could not mark this member finished (its key will lapse): %s", exc)
+        if finished or self._finished:
+            self.mark_finished()
+            self._alive_key = None
         else:
             self._stop_keepalive(delete=True)
+        self._finished = False
         self.current = None
+
+    def mark_finished(self) -> bool:
+        """Mark this member of the current round finished: its work is done.
+
+        Its keep-alive key is rewritten without TTL with a ``finished`` time and no
+        longer refreshed, so if this node now ends or dies -- it waits at an exit
+        barrier, say -- the other members carry on instead of taking it for lost
+        (:mod:`rdzv_core.roundwatch` and waiting nodes only count missing keys).
+        Returns whether the key was marked (``False``: no round, already marked, or
+        the backend was unreachable: then the key stays refreshed). Idempotent.
+        """
+        if self._finished or self._alive_key is None:
+            return False
+        key, ttl = self._alive_key, self.params.keep_alive_ttl
+        self._stop_keepalive(delete=False, forget=False)  # first: no refresh may give the key a TTL again
+        try:
+            self.kv.put(key, _encode({**self._alive_info, "finished": round(time.time(), 3)}))
+        except (BackendUnavailable, BackendClosed) as exc:
+            self._log(logging.WARNING, "could not mark this member finished: %s", exc)
+            self._keepalive = KeepAlive(self.kv, key, ttl, value=_encode(self._alive_info),
+                                        name=f"rdzv-keepalive-{self.run_id}")
+            return False
+        self._finished = True
+        self._log(logging.INFO, "marked this member finished")
+        return True
+
+    @property
+    def finished(self) -> bool:
+        """Whether this member was marked finished (:meth:`mark_finished`) and has not left since."""
+        return self._finished
+
+    def others_still_working(self) -> bool:
+        """Whether this node's round is the live one and has a member that is alive and not finished, besides us."""
+        entry, state = self._read_state()
+        current = self.current
+        if state is None or current is None or state["status"] != FINAL or \
+                not _same_round(state, current.version, current.round_id or None):
+            return False
+        mine = f"rank_{current.rank}"
+        for e in self.kv.list(self._vkey(current.version, "alive") + "/")[0]:
+            member = _member(e)
+            if e.key.rsplit("/", 1)[-1] != mine and "corrupt" not in member and "finished" not in member:
+                return True
+        return False
 
     def others_carry_on(self) -> bool:
         """Whether the run goes on without this node: its live round is one this node is not in.
@@ -561,6 +607,7 @@ class Rendezvous:
             ticket = held.ticket  # joined before a backend error: the ticket is still ours
             self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
         else:
+            self._defer_to_incumbents(version, rid, deadline)
             ticket = self._add(self._vkey(version, "joined"))
             self._held = _Held(version, rid, ticket)
             self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
@@ -580,6 +627,29 @@ class Rendezvous:
         if ticket > world:
             raise _Retry(f"round {version} froze with {world} nodes before ticket {ticket}")
         return self._confirm(version, rid, ticket - 1, world, deadline)
+
+    def _defer_to_incumbents(self, version: int, rid: str | None, deadline: float) -> None:
+        """After waiting as a late node: let the members of the old round take their tickets first.
+
+        A spare that saw a member lapse and a survivor that is stopping its workers
+        both head for the next round; tickets go in join order, and the spare, already
+        waiting, would often win the survivor's place (the survivor then becomes the
+        spare). So a late node waits until as many nodes joined as the old round had
+        live members, at most ``keep_alive_ttl`` seconds, then joins.
+        """
+        defer, self._defer = self._defer, None
+        if defer is None:
+            return
+        incumbents, until = defer[0], min(defer[1], deadline)
+        while time.monotonic() < until:
+            revision = self.kv.list(self._vkey(version, "joined").rsplit("/", 1)[0] + "/")[1]
+            if self._counter(self._vkey(version, "joined")) >= incumbents:
+                return
+            state = self._read_state()[1]
+            if state is None or state["status"] != JOINABLE or not _same_round(state, version, rid):
+                return
+            self._progress("joining", version, self._counter(self._vkey(version, "joined")), deadline)
+            wait_for_change(self.kv, self.root + "/", revision, until)
 
     def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
         """CAS joinable -> frozen with ``participants`` members.
@@ -762,6 +832,7 @@ class Rendezvous:
             alive, revision = self.kv.list(alive_prefix)
             ranks = {e.key.rsplit("/", 1)[-1] for e in alive}
             missing = [r for r in range(world) if f"rank_{r}" not in ranks]
+            working = sum(1 for e in alive if "finished" not in _member(e))  # they will re-form: see _join
             if missing:
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
@@ -778,6 +849,8 @@ class Rendezvous:
             entry_now, state_now = self._read_state()
             if entry_now is None or entry_now.revision != entry.revision:
                 break
+        # the members alive at the last look re-form now: the next round lets them join first (_join)
+        self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
         return time.monotonic() - started if spare else 0.0
 
     # -- helpers --------------------------------------------------------------
@@ -854,7 +927,7 @@ class Rendezvous:
             roundwatch.unsubscribe(self, self._watched)
             self._watched = None
 
-    def _stop_keepalive(self, delete: bool) -> None:
+    def _stop_keepalive(self, delete: bool, forget: bool = True) -> None:
         if self._keepalive is not None:
             self._keepalive.stop()
             self._keepalive = None
@@ -863,7 +936,8 @@ class Rendezvous:
                 self.kv.delete(self._alive_key)
             except (BackendUnavailable, BackendClosed) as exc:
                 self._log(logging.WARNING, "could not delete the keep-alive key (it will lapse): %s", exc)
-        self._alive_key = None
+        if forget:
+            self._alive_key = None
 
     def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:
         if self.on_progress is not None:

@@ -46,7 +46,7 @@ def test_a_missing_agent_ends_the_wait_when_the_round_is_gone(store) -> None:
 
 
 def test_exit_barrier_completes_when_every_agent_arrives(store) -> None:
-    results = run_threads(3, lambda _: coordination.exit_barrier(store, 3, 20, 0.05, lambda: False))
+    results = run_threads(3, lambda r: coordination.exit_barrier(store, r, 3, 20, 0.05, lambda: False))
     assert results == [coordination.COMPLETE] * 3
 
 
@@ -54,10 +54,38 @@ def test_exit_barrier_ends_when_the_round_ends_or_times_out(store) -> None:
     gone = threading.Event()
     threading.Timer(0.3, gone.set).start()
     t0 = time.monotonic()
-    assert coordination.exit_barrier(store, 2, 60, 0.05, gone.is_set) == coordination.LEFT
+    assert coordination.exit_barrier(store, 0, 2, 60, 0.05, gone.is_set) == coordination.LEFT
     assert time.monotonic() - t0 < 10
     t0 = time.monotonic()
     other = KVStore(store._kv, "other-round/", datetime.timedelta(seconds=10))
-    assert coordination.exit_barrier(other, 2, 0.5, 0.05, lambda: False) == coordination.TIMED_OUT
+    assert coordination.exit_barrier(other, 1, 2, 0.5, 0.05, lambda: False) == coordination.TIMED_OUT
     assert 0.5 <= time.monotonic() - t0 < 10
-    assert coordination.exit_barrier(other, 1, 0.5, 0.05, lambda: False) == coordination.COMPLETE
+    assert coordination.exit_barrier(other, 0, 1, 0.5, 0.05, lambda: False) == coordination.COMPLETE
+
+
+def test_exit_barrier_outlasts_a_backend_restart() -> None:
+    """The backend restarts while the agents wait at the barrier (and while the last one arrives): it completes."""
+    pytest.importorskip("redis")
+    from conformance_tests.redis_server import RedisServer
+
+    server = RedisServer(appendonly=True)
+    server.start()
+    kv = open_backend(f"redis://{server.address}/?operation_timeout=0.5")
+    try:
+        store = KVStore(kv, "round/", datetime.timedelta(seconds=10))
+        first: list = []
+        waiting = threading.Thread(
+            target=lambda: first.append(coordination.exit_barrier(store, 0, 2, 60, 0.1, lambda: False)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while not store.check([f"{coordination.BARRIER_PREFIX}/arrived/0"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        server.kill()
+        threading.Timer(1.5, server.start).start()
+        assert coordination.exit_barrier(store, 1, 2, 60, 0.1, lambda: False) == coordination.COMPLETE
+        waiting.join(30)
+        assert first == [coordination.COMPLETE]
+    finally:
+        kv.close()
+        server.stop()

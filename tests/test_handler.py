@@ -113,6 +113,34 @@ def test_shutdown_returns_false_when_the_run_cannot_be_closed() -> None:
         server.stop()
 
 
+def test_a_backend_restart_at_the_end_of_the_job_neither_fails_the_check_nor_leaves_the_run_open() -> None:
+    """torchrun's agent ends the job on any error of num_nodes_waiting(), and calls shutdown() once: a Redis
+    restart then must cost neither the job (the check answers 0) nor the closing of the run (retried)."""
+    pytest.importorskip("redis")
+    from conformance_tests.redis_server import RedisServer
+
+    server = RedisServer(appendonly=True)
+    server.start()
+    try:
+        url = f"redis://{server.address}/job{uuid.uuid4().hex[:6]}?timeout=20&operation_timeout=0.5&keep_alive_ttl=5"
+        h = create_handler(url)
+        h.next_rendezvous()
+        server.kill()
+        assert h.num_nodes_waiting() == 0  # refused at once: the workers keep running
+        outcome: list = []
+        closing = threading.Thread(target=lambda: outcome.append(h.shutdown()))
+        closing.start()
+        time.sleep(1.0)  # the outage being survived: shutdown() retries meanwhile
+        server.start()
+        closing.join(30)
+        assert outcome == [True]  # waited for the server to come back, then closed the run
+        observer = create_handler(url)
+        assert observer.is_closed()
+        observer.release()
+    finally:
+        server.stop()
+
+
 def test_num_nodes_waiting(base: str) -> None:
     url = _url(base, min_nodes=1, max_nodes=2)
     member = create_handler(url)

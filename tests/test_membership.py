@@ -230,6 +230,32 @@ def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_withou
     assert job.is_closed()  # the last nodes to finish closed it, together
 
 
+@pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
+def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, launcher) -> None:
+    """C's workers finish and C waits at the exit barrier, then C's host is lost: A and B train on with the
+    same workers (a finished member is not a lost one) and end the job normally."""
+    torchrun = launcher == "torchrun"
+    for name in ("A", "B", "C"):
+        job.node(name, "2:3", collective=False, torchrun=torchrun)
+    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
+    job.touch("stop-C")
+    c_workers = job.nodes["C"].descendants()
+    wait_until(lambda: not any(_running(p) for p in c_workers), 30, "C's workers to finish", job.tails)
+    c_rank = job.records("C")[-1]["group_rank"]
+    wait_until(lambda: any(m.get("finished") for m in job.state().get("alive", []) if m.get("rank") == c_rank),
+               30, "C marked finished at its barrier", job.tails)
+    job.nodes["C"].kill_all()
+    killed = time.time()
+    wait_until(_training(job, ["A", "B"], 3, after=killed + 3 * TTL, steps=1), 60, "A and B training on",
+               job.tails)
+    for name in ("A", "B"):
+        pids = {r["pid"] for r in job.records(name)}
+        assert len(pids) == 1, f"{name}'s workers were restarted after C died at its barrier: {pids}"
+    job.touch("stop-all")
+    for name in ("A", "B"):
+        assert job.nodes[name].wait(60) == 0, job.tails()
+
+
 def _running(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
