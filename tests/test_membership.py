@@ -147,11 +147,19 @@ def _training(job: Job, nodes: list[str], world: int, after: float = 0.0, steps:
 # -- 1. spares ---------------------------------------------------------------------------------------
 
 
+def _torchrun_on_redis(job: Job, launcher: str) -> bool:
+    """torchrun variants of scenarios whose torchrun side is backend-neutral (the handler's answers) run on Redis
+    only (the rdzv-run variants cover every backend); the freeze runs under torchrun on every backend."""
+    if launcher == "torchrun" and job.backend.scheme != "redis":
+        pytest.skip("torchrun variant: on Redis only")
+    return launcher == "torchrun"
+
+
 @pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
 def test_a_node_beyond_max_nodes_waits_as_a_spare_and_replaces_a_dead_member(job, launcher) -> None:
     """``--nnodes 2:2``, A and B train, C starts: A and B go on with the same workers while C waits;
     then A is killed and C takes its place (B and C train at world size 2)."""
-    torchrun = launcher == "torchrun"
+    torchrun = _torchrun_on_redis(job, launcher)
     for name in ("A", "B"):
         job.node(name, "2:2", torchrun=torchrun)
     wait_until(_training(job, ["A", "B"], 2), START, "A and B training at world size 2", job.tails)
@@ -234,7 +242,7 @@ def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_withou
 def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, launcher) -> None:
     """C's workers finish and C waits at the exit barrier, then C's host is lost: A and B train on with the
     same workers (a finished member is not a lost one) and end the job normally."""
-    torchrun = launcher == "torchrun"
+    torchrun = _torchrun_on_redis(job, launcher)
     for name in ("A", "B", "C"):
         job.node(name, "2:3", collective=False, torchrun=torchrun)
     wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
