@@ -153,6 +153,9 @@ from ._etcd_common import (
 
 __all__ = ["EtcdV3Backend", "plugin"]
 
+#: Refreshes (a Range and a LeaseKeepAlive stream each) one client runs at once; more wait their turn.
+REFRESH_CONCURRENCY = 32
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -266,6 +269,7 @@ class EtcdV3Backend(KVBackend):
         self._adds = AddCombiner()
         self._reads = ReadCoalescer()
         self._counters: dict[str, _Counter] = {}  # key -> state last written by add (see _add_once)
+        self._refresh_slots = threading.BoundedSemaphore(REFRESH_CONCURRENCY)
         try:
             if settings.username is not None:
                 self._authenticate(Deadline(settings.operation_timeout))
@@ -600,6 +604,17 @@ class EtcdV3Backend(KVBackend):
 
     def _do_refresh(self, key: str, ttl: float) -> None:
         deadline = self._deadline()
+        # Each keep-alive is a LeaseKeepAlive stream with a gRPC thread of its own; unbounded, 1,024 refreshes at
+        # once starve each other and keys lapse (steady benchmark, docs/benchmarks.md).
+        if not self._refresh_slots.acquire(timeout=max(0.0, deadline.remaining())):
+            raise BackendTimeout(f"refresh({key!r}): {REFRESH_CONCURRENCY} refreshes of this client in flight for "
+                                 f"{self.settings.operation_timeout} s", key)
+        try:
+            self._refresh_once(key, ttl, deadline)
+        finally:
+            self._refresh_slots.release()
+
+    def _refresh_once(self, key: str, ttl: float, deadline: Deadline) -> None:
         wanted = ttl_seconds(ttl)
         while True:
             kv = self._get_kv(key, deadline)
