@@ -495,3 +495,23 @@ def test_a_member_marked_finished_may_die_without_breaking_the_round(agents, cap
     assert [a.rdzv.num_nodes_waiting() for a in group[1:]] == [0, 0]
     state = group[1].rdzv.describe()
     assert (state["status"], state["version"]) == ("final", r1[0].version)
+
+
+def test_survivors_re_form_at_once_while_a_dead_members_key_still_lives(agents) -> None:
+    """A member dies; its key lives on until its (long) TTL. The survivors re-form as their agents do: the first
+    at once (its workers failed with the dead peer), the second when told to. They were members of the old
+    round, so neither waits for the old round's other keys (a spare would, for at most the TTL): the round of 2
+    forms within a fraction of the TTL, not after it."""
+    ttl = 10.0
+    group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3, keep_alive_ttl=ttl)]
+    r1 = _wait_all(group)
+    lost, first, second = group
+    lost.kv.close()  # its key stays for the TTL
+    t0 = time.monotonic()
+    first.start()
+    _until_true(lambda: second.rdzv.num_nodes_waiting() >= 1, ttl / 2, "the second survivor told to re-form")
+    results = _wait_all([first, second.start()], timeout=3 * ttl)
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+    took = time.monotonic() - t0
+    assert took < ttl / 2, f"the survivors took {took:.1f} s to re-form: they waited for the dead member's key"

@@ -275,6 +275,7 @@ class Rendezvous:
         # were alive; the next round's ticket is taken only once that many joined (or at the deadline),
         # so a spare never displaces a member that is re-forming (see _join).
         self._defer: tuple[int, float] | None = None
+        self._previous: int | None = None  # version of the round this node was a member of before next_round
         self._final_revision = 0  # revision of the final record of the round _confirm returned
         self._watched: roundwatch.RoundKeys | None = None  # the round whose lapse watch we subscribed to
         self._spare_since: float | None = None  # when this node began waiting as a spare (monotonic)
@@ -306,6 +307,7 @@ class Rendezvous:
                 attempt failed on it; if it answered since, the timeout is raised instead).
         """
         with self._lock:
+            self._previous = self.current.version if self.current is not None else None
             self.leave()
             self._spare_since = self._defer = None
             try:
@@ -634,8 +636,9 @@ class Rendezvous:
         A spare that saw a member lapse and a survivor that is stopping its workers
         both head for the next round; tickets go in join order, and the spare, already
         waiting, would often win the survivor's place (the survivor then becomes the
-        spare). So a late node waits until as many nodes joined as the old round had
-        live members, at most ``keep_alive_ttl`` seconds, then joins.
+        spare). So a late node that was not a member of the old round waits until as
+        many nodes joined as that round had live members, at most ``keep_alive_ttl``
+        seconds (a dead member's key counts until it lapses), then joins.
         """
         defer, self._defer = self._defer, None
         if defer is None:
@@ -849,8 +852,10 @@ class Rendezvous:
             entry_now, state_now = self._read_state()
             if entry_now is None or entry_now.revision != entry.revision:
                 break
-        # the members alive at the last look re-form now: the next round lets them join first (_join)
-        self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
+        # the members alive at the last look re-form now: the next round lets them join first (_join); a member
+        # of that round is one of them and does not wait (a dead member's key would hold it for the TTL)
+        incumbent = version == self._previous
+        self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working and not incumbent else None
         return time.monotonic() - started if spare else 0.0
 
     # -- helpers --------------------------------------------------------------
