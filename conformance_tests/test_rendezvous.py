@@ -515,3 +515,22 @@ def test_survivors_re_form_at_once_while_a_dead_members_key_still_lives(agents) 
     assert results[0].version > r1[0].version
     took = time.monotonic() - t0
     assert took < ttl / 2, f"the survivors took {took:.1f} s to re-form: they waited for the dead member's key"
+
+
+def test_a_spare_takes_a_dead_members_place_at_once_while_its_key_still_lives(agents) -> None:
+    """A full round of 2 and a spare; a member dies and its key lives on until its (long) TTL. The survivor
+    re-forms at once (its workers failed with the dead peer): the spare joins it within a fraction of the TTL,
+    not after it (it waits only for the old round's members that may still come, not for the dead one)."""
+    ttl = 10.0
+    members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2, keep_alive_ttl=ttl)]
+    r1 = _wait_all(members)
+    spare = agents(1, min_nodes=2, max_nodes=2, keep_alive_ttl=ttl)[0].start()
+    _until_true(lambda: members[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    lost, survivor = members
+    lost.kv.close()  # its key stays for the TTL
+    t0 = time.monotonic()
+    results = _wait_all([survivor.start(), spare], timeout=3 * ttl)
+    _assert_round(results, 2)
+    assert results[0].version > r1[0].version
+    took = time.monotonic() - t0
+    assert took < ttl / 2, f"the survivor and the spare took {took:.1f} s to re-form: they waited for the dead key"

@@ -637,8 +637,8 @@ class Rendezvous:
         both head for the next round; tickets go in join order, and the spare, already
         waiting, would often win the survivor's place (the survivor then becomes the
         spare). So a late node that was not a member of the old round waits until as
-        many nodes joined as that round had live members, at most ``keep_alive_ttl``
-        seconds (a dead member's key counts until it lapses), then joins.
+        many nodes joined as still held keys in that round when it ended (a dead
+        member's key counts until it lapses), at most ``keep_alive_ttl`` s, then joins.
         """
         defer, self._defer = self._defer, None
         if defer is None:
@@ -835,7 +835,6 @@ class Rendezvous:
             alive, revision = self.kv.list(alive_prefix)
             ranks = {e.key.rsplit("/", 1)[-1] for e in alive}
             missing = [r for r in range(world) if f"rank_{r}" not in ranks]
-            working = sum(1 for e in alive if "finished" not in _member(e))  # they will re-form: see _join
             if missing:
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
@@ -852,10 +851,14 @@ class Rendezvous:
             entry_now, state_now = self._read_state()
             if entry_now is None or entry_now.revision != entry.revision:
                 break
-        # the members alive at the last look re-form now: the next round lets them join first (_join); a member
-        # of that round is one of them and does not wait (a dead member's key would hold it for the TTL)
-        incumbent = version == self._previous
-        self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working and not incumbent else None
+        # The members still in the old round now will re-form: a late node lets them join first (_join). Those
+        # that left it already are on their way (they do not count: a killed member's key would then hold the
+        # late node for the TTL), and a member of that round does not wait at all (the dead key again).
+        self._defer = None
+        if version != self._previous:
+            alive = self.kv.list(alive_prefix)[0]  # the last look, after the record changed
+            working = sum(1 for e in alive if "finished" not in _member(e))
+            self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
         return time.monotonic() - started if spare else 0.0
 
     # -- helpers --------------------------------------------------------------
