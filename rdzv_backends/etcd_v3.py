@@ -115,6 +115,7 @@ Auth
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any, Callable, NamedTuple, TypeVar
 
@@ -186,11 +187,25 @@ class _Counter(NamedTuple):
     lease: int
 
 
+def _import_grpc() -> Any:
+    """``import grpc``, with gRPC's fork handlers off unless the user set ``GRPC_ENABLE_FORK_SUPPORT``.
+
+    The agent forks its workers (``subprocess`` with a ``preexec_fn``) while a round watch
+    stream is open; gRPC's handlers then ran in the child and aborted about 1 in 5 loaded
+    worker starts (SIGABRT, "epoll_wait error: Bad file descriptor"). The child only execs,
+    so it needs none of them.
+    """
+    os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    import grpc
+
+    return grpc
+
+
 class _Endpoint:
     """One etcd endpoint: a gRPC channel and the stubs on it."""
 
     def __init__(self, host: str, port: int, settings: EtcdSettings) -> None:
-        import grpc
+        grpc = _import_grpc()
         from etcd3 import etcdrpc
 
         self.target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -253,7 +268,7 @@ class EtcdV3Backend(KVBackend):
     )
 
     def __init__(self, settings: EtcdSettings) -> None:
-        import grpc
+        grpc = _import_grpc()
         from etcd3 import etcdrpc, transactions
 
         self._grpc = grpc

@@ -91,7 +91,7 @@ def test_failing_worker_exhausts_restarts_and_summary_names_rank_and_error(node_
         "node",
     )
     assert launcher.wait(120) == 1, launcher.tail()
-    assert len([r for r in records(out) if r["RANK"] == "1"]) == 3  # first run + 2 restarts
+    assert len([r for r in records(out) if r["RANK"] == "1"]) == 3, launcher.tail()  # first run + 2 restarts
     err = launcher.stderr()
     summary = err[err.rindex("rdzv-run summary"):]
     assert marker in summary and "rank 1" in summary

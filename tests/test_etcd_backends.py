@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from typing import Callable, Iterator
@@ -1157,3 +1158,32 @@ def _in_thread(call: Callable[[], object]) -> "concurrent.futures.Future[object]
 
     threading.Thread(target=run, daemon=True).start()
     return future
+
+
+FORKER = """
+import subprocess, sys, threading
+from rdzv_core import open_backend
+kv = open_backend(sys.argv[1])
+stop = threading.Event()
+def watching():  # a round watch's stream, open while the agent forks its workers
+    revision = kv.list("/fork/")[1]
+    while not stop.is_set():
+        kv.watch("/fork/", revision, 0.05)
+        kv.set("/fork/k", b"v")
+        revision = kv.list("/fork/")[1]
+threading.Thread(target=watching, daemon=True).start()
+codes = [subprocess.run([sys.executable, "-c", "pass"], preexec_fn=lambda: None, stderr=subprocess.DEVNULL).returncode
+         for _ in range(int(sys.argv[2]))]
+stop.set()
+print(sum(code != 0 for code in codes))
+"""
+
+
+def test_v3_workers_forked_during_a_watch_start_cleanly(etcd: EtcdServer) -> None:
+    """The agent forks its workers (``preexec_fn``: Python's fork path) while its round watch streams; gRPC's
+    fork handlers aborted some of the children (SIGABRT) until the backend turned them off by default."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    done = subprocess.run([sys.executable, "-c", FORKER, f"etcd-v3://{etcd.address}/", "200"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "0", f"{done.stdout.strip()} of 200 forked children failed"
