@@ -271,9 +271,9 @@ class Rendezvous:
         self._alive_key: str | None = None
         self._alive_info: dict[str, Any] = {}
         self._finished = False  # this member's key is marked finished (mark_finished)
-        # After waiting as a late node: (incumbents, monotonic deadline): the members of that round that
-        # were alive; the next round's ticket is taken only once that many joined (or at the deadline),
-        # so a spare never displaces a member that is re-forming (see _join).
+        # After waiting as a late node: (incumbents, monotonic deadline): the members still in that round
+        # when it ended; the next round's ticket is taken only once that many joined (or at the deadline),
+        # so a spare never displaces a member that is re-forming (see _defer_to_incumbents).
         self._defer: tuple[int, float] | None = None
         self._previous: int | None = None  # version of the round this node was a member of before next_round
         self._final_revision = 0  # revision of the final record of the round _confirm returned
@@ -365,7 +365,7 @@ class Rendezvous:
         self._unwatch_round()
         if finished or self._finished:
             self.mark_finished()
-            self._alive_key = None
+            self._stop_keepalive(delete=False)  # marked: the key stays; not marked (backend away): it lapses
         else:
             self._stop_keepalive(delete=True)
         self._finished = False
@@ -644,14 +644,17 @@ class Rendezvous:
         if defer is None:
             return
         incumbents, until = defer[0], min(defer[1], deadline)
+        joined_key = self._vkey(version, "joined")
+        version_dir = joined_key.rsplit("/", 1)[0] + "/"
         while time.monotonic() < until:
-            revision = self.kv.list(self._vkey(version, "joined").rsplit("/", 1)[0] + "/")[1]
-            if self._counter(self._vkey(version, "joined")) >= incumbents:
+            revision = self.kv.list(version_dir)[1]
+            joined = self._counter(joined_key)
+            if joined >= incumbents:
                 return
             state = self._read_state()[1]
             if state is None or state["status"] != JOINABLE or not _same_round(state, version, rid):
                 return
-            self._progress("joining", version, self._counter(self._vkey(version, "joined")), deadline)
+            self._progress("joining", version, joined, deadline)
             wait_for_change(self.kv, self.root + "/", revision, until)
 
     def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
