@@ -151,6 +151,10 @@ class _RoundWatch:
             return revision
         if kv.get(k.closed_key) is not None:
             return None  # the job ended: members leave, nothing to re-form
+        if self.stopped.is_set():
+            # The last subscriber left; its member deletes its key after unsubscribing, so a key seen
+            # missing now may be that member's own: not a lapse for this watch to act on.
+            return None
         try:
             kv.compare_and_delete(k.state_key, k.final_revision)
             log.info("run=%s version=%d: destroyed the round: keep-alive of rank(s) %s lapsed or was deleted",

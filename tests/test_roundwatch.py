@@ -42,3 +42,23 @@ def test_members_in_one_process_share_one_watch_and_the_last_one_out_stops_it() 
     finally:
         for kv in clients:
             kv.close()
+
+
+def test_a_stopped_watch_never_destroys_the_round() -> None:
+    """The last subscriber left (its member deletes its key next): a watch that lists only after that
+    delete must not take it for a lapse. CI saw ``rdzv status`` find the round of a member that had just
+    left destroyed by that member's own watch (its thread had not made its first look yet)."""
+    kv = open_backend(f"memory://rw{uuid.uuid4().hex[:8]}/")
+    member = Rendezvous(kv, "job", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    try:
+        member.next_round()
+        keys = member._watched
+        assert keys is not None
+        watch = roundwatch._RoundWatch(keys)  # not started: we make its first look by hand, late
+        watch.subscribers[member] = kv
+        member.leave()  # unsubscribes, then deletes its keep-alive key
+        watch.stopped.set()  # what unsubscribe does to the watch of the last subscriber
+        assert watch._check(kv) is None
+        assert kv.get(keys.state_key) is not None  # the final record is still there
+    finally:
+        kv.close()
