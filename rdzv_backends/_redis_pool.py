@@ -44,11 +44,14 @@ class _Pool:
         self._waiting = 0  # threads waiting for a connection (under the lock)
         _Pool._all_pools.add(self)
 
-    def acquire(self) -> Any:
+    def acquire(self, timeout: float | None = None) -> Any:
         """A connection for one call; give it back with :meth:`release`.
 
+        Args:
+            timeout: seconds to wait for a free one (``None``: the pool's ``timeout``).
+
         Raises:
-            redis.ConnectionError: the pool is closed, or none came free within ``timeout``.
+            redis.ConnectionError: the pool is closed, or none came free within the timeout.
         """
         if not self._closed:
             try:
@@ -68,7 +71,7 @@ class _Pool:
                     return conn
                 now = time.monotonic()
                 if deadline is None:
-                    deadline = now + self._timeout
+                    deadline = now + (self._timeout if timeout is None else timeout)
                 if now >= deadline:
                     raise _redis_errors().ConnectionError("No connection available.")
                 self._waiting += 1

@@ -156,7 +156,7 @@ from rdzv_core.errors import (
     KeyNotFound,
     KVError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
+from rdzv_core.kv import call_budget, Capabilities, Entry, Event, EventType, KVBackend, check_key, parse_counter
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
@@ -618,7 +618,8 @@ class EtcdV2Backend(KVBackend):
             raise BackendConnectionError(f"etcd v2 probe failed: {answer.body.get('message')}")
 
     def _deadline(self) -> Deadline:
-        return Deadline(self.settings.operation_timeout)
+        """One operation's deadline: ``operation_timeout``, or the caller's (``rdzv_core.kv.deadline``) if sooner."""
+        return Deadline(call_budget(self.settings.operation_timeout))
 
     # -- reads -------------------------------------------------------------------
     def _do_get(self, key: str) -> Entry | None:
@@ -841,7 +842,7 @@ class EtcdV2Backend(KVBackend):
     # -- watch -------------------------------------------------------------------
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         poll = Deadline(timeout)
-        failures = FailureBudget(self.settings.operation_timeout, poll)
+        failures = FailureBudget(call_budget(self.settings.operation_timeout), poll)
         wait_index = after_revision + 1
         while True:
             params = {"wait": "true", "recursive": "true", "waitIndex": str(wait_index)}

@@ -130,7 +130,7 @@ from rdzv_core.errors import (
     KeyNotFound,
     KVError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, KVBackend, parse_counter
+from rdzv_core.kv import call_budget, Capabilities, Entry, Event, KVBackend, parse_counter
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
@@ -422,7 +422,8 @@ class EtcdV3Backend(KVBackend):
         return None
 
     def _deadline(self) -> Deadline:
-        return Deadline(self.settings.operation_timeout)
+        """One operation's deadline: ``operation_timeout``, or the caller's (``rdzv_core.kv.deadline``) if sooner."""
+        return Deadline(call_budget(self.settings.operation_timeout))
 
     # -- request builders ----------------------------------------------------------
     def _range(self, key: bytes, range_end: bytes | None = None) -> Any:
@@ -751,7 +752,7 @@ class EtcdV3Backend(KVBackend):
         poll = Deadline(timeout)
         return self._call(
             lambda ep, t, md: self._watch_once(ep, start, end, after_revision, poll, md),
-            FailureBudget(self.settings.operation_timeout, poll), what=f"watch {prefix!r}",
+            FailureBudget(call_budget(self.settings.operation_timeout), poll), what=f"watch {prefix!r}",
         )
 
     def _watch_once(self, ep: _Endpoint, start: bytes, end: bytes, after: int, poll: Deadline,

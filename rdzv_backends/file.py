@@ -105,7 +105,7 @@ from rdzv_core.errors import (
     KeyNotFound,
     KVError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter
+from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, call_budget, parse_counter
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_positive_float
 
@@ -422,7 +422,7 @@ class FileBackend(KVBackend):
         with self._guard(), contextlib.ExitStack() as stack:
             if conn is None:
                 conn = stack.enter_context(self._pool.connection())
-            return _transaction(conn, self._shared(), self.operation_timeout, body)
+            return _transaction(conn, self._shared(), call_budget(self.operation_timeout), body)
 
     def _read(self, sql: str, args: tuple[object, ...], build: Callable[[list[tuple[object, ...]], int], T]) -> T:
         """``build(rows, revision)`` of one statement joined to :data:`_HEAD` (one snapshot).

@@ -186,7 +186,7 @@ from rdzv_core.errors import (
     RdzvError,
     UnknownBackendError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend
+from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, call_budget
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_int, to_str
 
@@ -505,14 +505,31 @@ class RedisBackend(KVBackend):
 
         redis-py's errors propagate (callers translate them); a connection that failed other
         than by an error reply is disconnected (it reconnects when next used)."""
-        conn = self._pool.acquire()
+        budget = call_budget(self.operation_timeout)
+        conn = self._pool.acquire(budget)
+        short = budget < self.operation_timeout  # the caller's deadline (rdzv_core.kv.deadline) is sooner
         try:
             sock = conn._sock  # redis-py keeps the socket there; None: not connected (yet, or any more)
             if sock is not None and _stale(sock):
                 conn.disconnect()  # the server closed it (restart, idle timeout): send on a new one
+                sock = None
+            if short:
+                budget = call_budget(self.operation_timeout)
+                if sock is None:  # connect (and AUTH/SELECT) within the budget too
+                    conn.socket_connect_timeout = conn.socket_timeout = budget
+                    try:
+                        conn.connect()
+                    finally:
+                        conn.socket_connect_timeout = conn.socket_timeout = self.operation_timeout
+                conn._sock.settimeout(budget)
             conn.send_command(*command, check_health=False)
-            return conn.read_response()
+            reply = conn.read_response()
+            if short and conn._sock is not None:
+                conn._sock.settimeout(self.operation_timeout)
+            return reply
         except self._errors.ResponseError:
+            if short and conn._sock is not None:
+                conn._sock.settimeout(self.operation_timeout)
             raise  # an error reply: the connection is in step
         except BaseException:
             conn.disconnect()
