@@ -193,7 +193,8 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
     Expected during the pause: ``get``, ``put``, ``list``, ``add``, ``refresh`` and
     the c10d Store's ``get``/``set`` (Store timeout 1 s) each raise
     ``BackendTimeout`` within ``SILENT_LIMIT`` s (about ``operation_timeout``, not
-    a multiple of it), and a 1 s ``watch`` returns ``[]`` or raises
+    a multiple of it; the Store's calls c10d's ``DistStoreError`` caused by it),
+    and a 1 s ``watch`` returns ``[]`` or raises
     ``BackendUnavailable`` within 1 s more; the members' keep-alive threads keep running
     through the errors. After the resume each keep-alive key either survived (its
     thread goes on refreshing) or expired (its thread reports ``lapsed`` and
@@ -264,6 +265,11 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
             limit += OP_TIMEOUT
             if not (result == [] or isinstance(result, BackendUnavailable)):
                 problems.append(f"watch: returned {result!r}, expected [] or BackendUnavailable")
+        elif name.startswith("store."):  # c10d's error for a timeout, the backend's as its cause
+            import torch.distributed as dist
+
+            if not (isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendTimeout)):
+                problems.append(f"{name}: {result!r}, expected DistStoreError from BackendTimeout")
         elif not isinstance(result, BackendTimeout):
             problems.append(f"{name}: {result!r}, expected BackendTimeout")
         if elapsed > limit:

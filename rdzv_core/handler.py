@@ -164,7 +164,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
         try:
             bootstrap_store = KVStore(self._kv, prefix, wait)
             bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, bootstrap_store, self._local_addr)
+        except dist.DistNetworkError as exc:
+            raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         except dist.DistStoreError as exc:
+            if isinstance(exc.__cause__, errors.BackendUnavailable):  # the backend, not rank 0, was silent
+                raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
             raise torch_api.RendezvousTimeoutError(
                 f"round {result.version}: rank 0 did not publish MASTER_ADDR/MASTER_PORT within {wait}: {exc}"
             ) from exc

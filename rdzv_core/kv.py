@@ -521,11 +521,15 @@ def parse_counter(key: str, raw: bytes) -> int:
     return int(raw)
 
 
+#: Longest single ``watch`` call of :func:`wait_for_change` (seconds).
+WATCH_SLICE = 60.0
+
+
 def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: float) -> bool:
     """Block until something under ``prefix`` changes after ``after_revision``, or ``deadline``.
 
     Args:
-        deadline: absolute ``time.monotonic()`` value.
+        deadline: absolute ``time.monotonic()`` value (``float("inf")``: no deadline).
 
     Returns:
         ``True`` if a change (or lost history, which callers treat the same way:
@@ -533,11 +537,12 @@ def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: f
     """
     from .errors import HistoryCompacted
 
-    remaining = deadline - time.monotonic()
-    if remaining <= 0:
-        return False
-    try:
-        return bool(kv.watch(prefix, after_revision, remaining))
-    except HistoryCompacted:
-        return True
+    while (remaining := deadline - time.monotonic()) > 0:
+        try:
+            # in slices: a deadline may be infinite (c10d's "no timeout"); no socket takes that
+            if kv.watch(prefix, after_revision, min(remaining, WATCH_SLICE)):
+                return True
+        except HistoryCompacted:
+            return True
+    return False
 

@@ -5,29 +5,53 @@ segment (a SHA-256 digest segment for keys over 80 bytes) under the store's pref
 (``ROOT/store/v_V/`` for a rendezvous round),
 so two runs or two rounds never see each other's keys and no key can escape the
 prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
-until the keys appear or the timeout passes, then raise
-``torch.distributed.DistStoreError`` (a ``RuntimeError``, as c10d's own stores do).
+until the keys appear or the timeout passes.
+
+Every operation returns or raises within its timeout (the call's, else the
+store's; a zero timeout is c10d's "no timeout"), whatever the backend's
+``operation_timeout``: its backend calls run under :func:`rdzv_core.kv.deadline`.
+Errors are c10d's (both ``RuntimeError``, the rdzv error as ``__cause__``):
+``torch.distributed.DistStoreError`` for a timeout -- keys not set in time, or a
+backend that did not answer in time -- and ``torch.distributed.DistNetworkError``
+for a lost or refused connection (and a closed backend client).
+``ValueTooLarge`` and ``CorruptEntry`` pass through as they are (bad data, not
+store trouble).
 
 Importing this module imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import random
 import time
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch.distributed as dist
 
-from .errors import CompareFailed, KeyExists, KeyNotFound, ValueTooLarge
-from .kv import KVBackend, check_prefix, escape_segment, unescape_segment, wait_for_change
+from .errors import (
+    BackendClosed,
+    BackendTimeout,
+    BackendUnavailable,
+    CompareFailed,
+    KeyExists,
+    KeyNotFound,
+    ValueTooLarge,
+)
+from .kv import KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 
 #: c10d's default store timeout (c10d/Store.hpp).
 DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+def _seconds(timeout: datetime.timedelta) -> float | None:
+    """A c10d timeout in seconds; ``None`` for zero or less (c10d's kNoTimeout: wait forever)."""
+    seconds = timeout.total_seconds()
+    return seconds if seconds > 0 else None
 
 
 def _as_bytes(field: str, data: str | bytes | bytearray | Sequence[int]) -> bytes:
@@ -70,6 +94,19 @@ class KVStore(dist.Store):
         """Change the default timeout of blocking operations."""
         self._timeout = timeout
 
+    @contextlib.contextmanager
+    def _bounded(self, what: str, timeout: datetime.timedelta | None = None) -> Iterator[None]:
+        """Run one operation's backend calls within ``timeout`` (default: the store's); map errors to c10d's."""
+        limit = self._timeout if timeout is None else timeout
+        try:
+            with deadline(_seconds(limit)):
+                yield
+        except BackendTimeout as exc:
+            raise dist.DistStoreError(f"store {what} under {self._prefix!r} did not finish within {limit}: "
+                                      f"{exc}") from exc
+        except (BackendUnavailable, BackendClosed) as exc:
+            raise dist.DistNetworkError(f"store {what} under {self._prefix!r}: {exc}") from exc
+
     def _key(self, key: str | bytes) -> str:
         raw = _as_bytes("key", key)
         if len(raw) <= 80:  # escaped form is at most 1 + 3 * 80 characters: one segment
@@ -79,7 +116,8 @@ class KVStore(dist.Store):
     # -- writes -------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
         """Write ``value`` at ``key``."""
-        self._kv.put(self._key(key), _as_bytes("value", value))
+        with self._bounded("set"):
+            self._kv.put(self._key(key), _as_bytes("value", value))
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
         """Write each ``values[i]`` at ``keys[i]`` (one write per key)."""
@@ -90,26 +128,29 @@ class KVStore(dist.Store):
         for full, data in pairs:  # all or nothing for sizes: check every value before the first write
             if limit is not None and len(data) > limit:
                 raise ValueTooLarge(f"value of {len(data)} bytes for key {full!r} exceeds {limit} bytes", full)
-        for full, data in pairs:
-            self._kv.put(full, data)
+        with self._bounded("multi_set"):
+            for full, data in pairs:
+                self._kv.put(full, data)
 
     def add(self, key: str, amount: int) -> int:  # type: ignore[override]
         """Atomically add ``amount`` to the decimal integer at ``key`` (absent = 0); return the sum."""
-        return self._kv.add(self._key(key), int(amount))
+        with self._bounded("add"):
+            return self._kv.add(self._key(key), int(amount))
 
     def append(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
         """Append ``value`` to the bytes at ``key`` (creating it), atomically (compare-and-swap loop)."""
         full, data = self._key(key), _as_bytes("value", value)
-        while True:
-            entry = self._kv.get(full)
-            try:
-                if entry is None:
-                    self._kv.create(full, data)
-                else:
-                    self._kv.compare_and_swap(full, entry.value + data, entry.revision)
-                return
-            except (KeyExists, KeyNotFound, CompareFailed):
-                time.sleep(random.uniform(0, 0.005))
+        with self._bounded("append"):
+            while True:
+                entry = self._kv.get(full)
+                try:
+                    if entry is None:
+                        self._kv.create(full, data)
+                    else:
+                        self._kv.compare_and_swap(full, entry.value + data, entry.revision)
+                    return
+                except (KeyExists, KeyNotFound, CompareFailed):
+                    time.sleep(random.uniform(0, 0.005))
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # type: ignore[override]
         """c10d ``compareSet``: store ``desired_value`` if the current value is ``expected_value``
@@ -118,24 +159,26 @@ class KVStore(dist.Store):
         absent key that does not match, as TCPStore does)."""
         full = self._key(key)
         expected, desired = _as_bytes("expected_value", expected_value), _as_bytes("desired_value", desired_value)
-        while True:
-            entry = self._kv.get(full)
-            try:
-                if entry is None:
-                    if expected:
-                        return expected
-                    self._kv.create(full, desired)
+        with self._bounded("compare_set"):
+            while True:
+                entry = self._kv.get(full)
+                try:
+                    if entry is None:
+                        if expected:
+                            return expected
+                        self._kv.create(full, desired)
+                        return desired
+                    if entry.value != expected:
+                        return entry.value
+                    self._kv.compare_and_swap(full, desired, entry.revision)
                     return desired
-                if entry.value != expected:
-                    return entry.value
-                self._kv.compare_and_swap(full, desired, entry.revision)
-                return desired
-            except (KeyExists, KeyNotFound, CompareFailed):
-                time.sleep(random.uniform(0, 0.005))
+                except (KeyExists, KeyNotFound, CompareFailed):
+                    time.sleep(random.uniform(0, 0.005))
 
     def delete_key(self, key: str) -> bool:  # type: ignore[override]
         """Delete ``key``; return whether it existed."""
-        return self._kv.delete(self._key(key))
+        with self._bounded("delete_key"):
+            return self._kv.delete(self._key(key))
 
     # -- reads --------------------------------------------------------------
     def get(self, key: str) -> bytes:  # type: ignore[override]
@@ -144,11 +187,13 @@ class KVStore(dist.Store):
         Raises:
             torch.distributed.DistStoreError: not set within the timeout.
         """
-        return self._wait_get([key], self._timeout)[0]
+        with self._bounded("get"):
+            return self._wait_get([key], self._timeout)[0]
 
     def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
         """Return the values of ``keys`` (waiting for all, like ``get``)."""
-        return self._wait_get(keys, self._timeout)
+        with self._bounded("multi_get"):
+            return self._wait_get(keys, self._timeout)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
         """Wait until every key in ``keys`` is set.
@@ -156,15 +201,19 @@ class KVStore(dist.Store):
         Raises:
             torch.distributed.DistStoreError: not all set within ``timeout`` (default: the store's).
         """
-        self._wait_get(keys, self._timeout if timeout is None else timeout)
+        limit = self._timeout if timeout is None else timeout
+        with self._bounded("wait", limit):
+            self._wait_get(keys, limit)
 
     def check(self, keys: list[str]) -> bool:  # type: ignore[override]
         """Whether every key in ``keys`` is set right now (no waiting)."""
-        return all(self._kv.get(self._key(k)) is not None for k in keys)
+        with self._bounded("check"):
+            return all(self._kv.get(self._key(k)) is not None for k in keys)
 
     def num_keys(self) -> int:  # type: ignore[override]
         """Number of keys in this store."""
-        return len(self._kv.list(self._prefix)[0])
+        with self._bounded("num_keys"):
+            return len(self._kv.list(self._prefix)[0])
 
     def clone(self) -> "KVStore":  # type: ignore[override]
         """This same store (it is thread-safe).
@@ -178,7 +227,9 @@ class KVStore(dist.Store):
     def list_keys(self) -> list[str]:  # type: ignore[override]
         """The keys of this store that are valid UTF-8 (digest-named long keys are not listed)."""
         out = []
-        for entry in self._kv.list(self._prefix)[0]:
+        with self._bounded("list_keys"):
+            listed = self._kv.list(self._prefix)[0]
+        for entry in listed:
             segment = entry.key[len(self._prefix):]
             if segment.startswith("="):
                 try:
@@ -195,7 +246,7 @@ class KVStore(dist.Store):
         """Values of ``keys`` once all are set; a zero timeout waits forever (c10d's kNoTimeout)."""
         wanted = [self._key(k) for k in keys]
         seconds = timeout.total_seconds()
-        deadline = time.monotonic() + (seconds if seconds > 0 else float("inf"))
+        until = time.monotonic() + (seconds if seconds > 0 else float("inf"))
         entries = [self._kv.get(k) for k in wanted]  # fast path: everything is usually there
         while True:
             if all(e is not None for e in entries):
@@ -205,7 +256,7 @@ class KVStore(dist.Store):
             entries = [found.get(k) for k in wanted]
             if all(e is not None for e in entries):
                 continue
-            if not wait_for_change(self._kv, self._prefix, revision, deadline):
+            if not wait_for_change(self._kv, self._prefix, revision, until):
                 missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
                 raise dist.DistStoreError(
                     f"timed out after {seconds:.3f} s waiting for store keys {missing!r:.200} under {self._prefix!r}"

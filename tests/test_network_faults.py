@@ -395,3 +395,87 @@ def _deletes_of(kv: KVBackend, prefix: str, key: str, after: int, until: float) 
             if event.key == key and event.type is EventType.DELETE:
                 deleted.append(event)
     return deleted
+
+
+# -- the c10d Store's deadline (issue 14, item 1) ------------------------------------------------
+STORE_TIMEOUT = 1.0  #: the Store's timeout in these tests; clients keep the default operation_timeout (10 s)
+#: A Store call may take its timeout plus this (an attempt already on the wire when the time ran out).
+STORE_MARGIN = 1.0
+
+
+def _store_calls(kv: KVBackend, prefix: str) -> dict[str, Callable[[], Any]]:
+    """One call per Store operation, each on its own Store over one (already connected) client."""
+    import datetime
+
+    from rdzv_core.store import KVStore
+
+    def store() -> KVStore:
+        return KVStore(kv, prefix, datetime.timedelta(seconds=STORE_TIMEOUT))
+
+    store().set("present", b"1")
+    wait = datetime.timedelta(seconds=STORE_TIMEOUT)
+    return {
+        "get": lambda: store().get("present"),
+        "get(missing)": lambda: store().get("missing"),
+        "wait": lambda: store().wait(["missing"], wait),
+        "check": lambda: store().check(["present"]),
+        "set": lambda: store().set("k", b"v"),
+        "add": lambda: store().add("n", 1),
+        "compare_set": lambda: store().compare_set("present", b"1", b"2"),
+        "append": lambda: store().append("present", b"x"),
+        "delete_key": lambda: store().delete_key("present"),
+        "num_keys": lambda: store().num_keys(),
+        "multi_get": lambda: store().multi_get(["present"]),
+    }
+
+
+@pytest.mark.parametrize("mode", [Mode.BLACKHOLE, Mode.DROP], ids=["blackhole", "drop"])
+def test_store_calls_end_within_the_store_timeout_with_torchs_errors(
+        scheme: str, server: Any, proxy: TCPProxy, prefix: str, mode: Mode, record_property) -> None:
+    """A backend behind a black hole (or dropped connections), clients with the default 10 s
+    operation_timeout, Stores with a 1 s timeout: every Store call ends within 1 s + STORE_MARGIN, raising
+    torch's ``DistStoreError`` (timeout) or ``DistNetworkError`` (connection lost) with the rdzv error as
+    ``__cause__`` -- code written for TCPStore catches them. Before: 10 s and ``BackendTimeout``."""
+    import torch.distributed as dist
+
+    from rdzv_core import open_backend
+
+    with open_backend(f"{scheme}://{proxy.address}/") as kv:
+        calls = _store_calls(kv, prefix + "store/")
+        proxy.set_mode(mode)
+        outcomes = _timed_in_threads(calls, join=STORE_TIMEOUT + STORE_MARGIN + 10)
+    problems = [f"{name}: no outcome (hung?)" for name in calls if name not in outcomes]
+    for name, (elapsed, result) in sorted(outcomes.items()):
+        record_property(f"{name}_s", round(elapsed, 2))
+        record_property(f"{name}_error", type(result).__name__)
+        if elapsed > STORE_TIMEOUT + STORE_MARGIN:
+            problems.append(f"{name}: took {elapsed:.2f} s")
+        if mode is Mode.BLACKHOLE:
+            good = isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendUnavailable)
+        else:  # a refused reconnect is a network error; an attempt cut by the deadline may time out
+            good = (isinstance(result, dist.DistNetworkError) and isinstance(result.__cause__, BackendUnavailable)
+                    or isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendUnavailable))
+        if not good:
+            problems.append(f"{name}: {result!r} (cause {getattr(result, '__cause__', None)!r})")
+    assert not problems, "\n".join(problems)
+    if mode is Mode.DROP:
+        assert any(isinstance(r, dist.DistNetworkError) for _, r in outcomes.values()), outcomes
+
+
+def test_a_store_timeout_of_zero_is_no_timeout(
+        scheme: str, proxy: TCPProxy, prefix: str) -> None:
+    """c10d's kNoTimeout (a zero timeout): a ``get`` waits past the clients' operation_timeout for its key
+    instead of failing at once (the deadline machinery must not turn "no timeout" into "no time")."""
+    import datetime
+
+    from rdzv_core import open_backend
+    from rdzv_core.store import KVStore
+
+    with open_backend(f"{scheme}://{proxy.address}/?operation_timeout=1") as kv:
+        store = KVStore(kv, prefix + "store/", datetime.timedelta(0))
+        writer = threading.Timer(1.5, lambda: store.set("late", b"v"))
+        writer.start()
+        try:
+            assert store.get("late") == b"v"
+        finally:
+            writer.join()
