@@ -479,3 +479,29 @@ def test_a_store_timeout_of_zero_is_no_timeout(
             assert store.get("late") == b"v"
         finally:
             writer.join()
+
+
+def test_next_rendezvous_into_a_black_hole_raises_torchs_connection_error(
+        scheme: str, proxy: TCPProxy, record_property) -> None:
+    """The handler's ``next_rendezvous`` with the backend black-holed: torch's
+    ``RendezvousConnectionError`` (as torch's own handlers raise for a store they cannot reach), the
+    backend's error as ``__cause__``, by the rendezvous timeout plus one failing call."""
+    from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+    from rdzv_core import create_handler
+
+    timeout = 3.0
+    handler = create_handler(f"{scheme}://{proxy.address}/netfaults{uuid.uuid4().hex[:10]}"
+                             f"?min_nodes=1&timeout={timeout:g}&operation_timeout={OP_TIMEOUT:g}")
+    try:
+        proxy.set_mode(Mode.BLACKHOLE)
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError) as caught:
+            handler.next_rendezvous()
+        elapsed = time.monotonic() - t0
+    finally:
+        proxy.set_mode(Mode.PASS)
+        handler.shutdown()
+    record_property("raised_after_s", round(elapsed, 2))
+    assert isinstance(caught.value.__cause__, BackendUnavailable)
+    assert elapsed <= timeout + LIMIT
