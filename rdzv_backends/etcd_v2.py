@@ -171,6 +171,7 @@ from ._etcd_common import (
     FailureBudget,
     RaceRetry,
     Tries,
+    check_tls,
     may_have_applied,
     ttl_seconds,
     unreachable,
@@ -392,7 +393,8 @@ class EtcdV2Backend(KVBackend):
     Raises:
         InvalidURLError: the server does not serve the v2 API (started without
             ``--enable-v2``), or rejected the credentials; the URL names a user
-            without a password.
+            without a password; a TLS file cannot be used, or the server's TLS
+            handshake refuses it (see :func:`~rdzv_backends._etcd_common.check_tls`).
         KVError: the installed ``python-etcd`` lacks ``Client.api_execute.__wrapped__``.
         BackendConnectionError, BackendTimeout: no endpoint answered within
             ``operation_timeout`` seconds.
@@ -431,7 +433,9 @@ class EtcdV2Backend(KVBackend):
         self._adds = AddCombiner()
         self._counters: dict[str, _Counter] = {}  # key -> state last written by add (see _add_once)
         try:
-            self._probe()
+            opening = Deadline(settings.operation_timeout)
+            check_tls(settings, opening)  # names a wrong cacert or cert (urllib3's error would not)
+            self._probe(opening)
         except BaseException:
             self._do_close()
             raise
@@ -611,9 +615,9 @@ class EtcdV2Backend(KVBackend):
             f"(etcd-v3://{host}:{ep.port}/RUN_ID) or start etcd with --enable-v2=true",
         )
 
-    def _probe(self) -> None:
+    def _probe(self, deadline: Deadline) -> None:
         """Check at open that some endpoint serves the v2 API."""
-        answer = self._call("GET", "/", {}, Deadline(self.settings.operation_timeout))
+        answer = self._call("GET", "/", {}, deadline)
         if not answer.ok and answer.code != _KEY_NOT_FOUND:
             raise BackendConnectionError(f"etcd v2 probe failed: {answer.body.get('message')}")
 

@@ -147,6 +147,7 @@ from ._etcd_common import (
     RaceRetry,
     ReadCoalescer,
     Tries,
+    check_tls,
     may_have_applied,
     ttl_seconds,
     unreachable,
@@ -188,14 +189,18 @@ class _Counter(NamedTuple):
 
 
 def _import_grpc() -> Any:
-    """``import grpc``, with gRPC's fork handlers off unless the user set ``GRPC_ENABLE_FORK_SUPPORT``.
+    """``import grpc``, with gRPC's fork handlers off unless the user set ``GRPC_ENABLE_FORK_SUPPORT``,
+    and gRPC's C-core log silent unless the user set ``GRPC_VERBOSITY`` or ``GRPC_TRACE``.
 
     The agent forks its workers (``subprocess`` with a ``preexec_fn``) while a round watch
     stream is open; gRPC's handlers then ran in the child and aborted about 1 in 5 loaded
     worker starts (SIGABRT, "epoll_wait error: Bad file descriptor"). The child only execs,
-    so it needs none of them.
+    so it needs none of them. The C-core log printed dozens of lines to stderr per failed TLS
+    handshake; every failure it reports is in this backend's errors.
     """
     os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+    if "GRPC_VERBOSITY" not in os.environ and "GRPC_TRACE" not in os.environ:
+        os.environ["GRPC_VERBOSITY"] = "NONE"
     import grpc
 
     return grpc
@@ -250,8 +255,9 @@ class EtcdV3Backend(KVBackend):
         settings: endpoints, TLS, credentials and ``operation_timeout``.
 
     Raises:
-        InvalidURLError: etcd rejected the user or password, or a certificate
-            file cannot be read.
+        InvalidURLError: etcd rejected the user or password; a TLS file cannot
+            be used, or the server's TLS handshake refuses it (see
+            :func:`~rdzv_backends._etcd_common.check_tls`).
         BackendConnectionError, BackendTimeout: no endpoint answered within
             ``operation_timeout`` seconds.
     """
@@ -276,6 +282,8 @@ class EtcdV3Backend(KVBackend):
         self._cmp = transactions
         self.settings = settings
         self._endpoints = Endpoints(len(settings.endpoints))
+        opening = Deadline(settings.operation_timeout)
+        check_tls(settings, opening)  # a wrong cacert or cert at once: gRPC retries its handshake until the deadline
         self._eps = [_Endpoint(host, port, settings) for host, port in settings.endpoints]
         self._token: str | None = None
         self._seen = 0  # the highest header revision answered so far (see Tries)
@@ -289,7 +297,7 @@ class EtcdV3Backend(KVBackend):
             if settings.username is not None:
                 self._authenticate(Deadline(settings.operation_timeout))
             self._call(lambda ep, t, md: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md),
-                       Deadline(settings.operation_timeout), what="status")
+                       opening, what="status")
         except BaseException:
             self._do_close()
             raise
