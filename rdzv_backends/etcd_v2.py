@@ -35,7 +35,8 @@ Keys
 Values
     v2 stores text, so values are stored base64-encoded (standard alphabet).
     :data:`~rdzv_backends._etcd_common.MAX_VALUE_BYTES` (1 MiB) fits etcd's
-    default ``--max-request-bytes``.
+    default ``--max-request-bytes`` (the v2 API does not apply that limit:
+    etcd 3.5 stores a 900 KiB value with ``--max-request-bytes 524288``).
 Revisions
     ``Entry.revision`` is the node's ``modifiedIndex``; ``list`` returns the
     ``X-Etcd-Index`` of its answer. ``refresh`` (``refresh=true&prevExist=true``)

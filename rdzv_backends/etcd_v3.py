@@ -40,6 +40,11 @@ Writes
     (threads sharing a client) are combined into one transaction of their
     summed deltas (:class:`~rdzv_backends._etcd_common.AddCombiner`), so
     watchers may see one ``PUT`` for several adds.
+Value size
+    Values up to :data:`~rdzv_backends._etcd_common.MAX_VALUE_BYTES` (1 MiB,
+    ``max_value_bytes``) are accepted; a server started with a lower
+    ``--max-request-bytes`` refuses larger writes, raised as
+    :class:`~rdzv_core.errors.ValueTooLarge` naming the key and the size.
 Corrupt data
     A non-decimal value at a key given to ``add`` raises
     :class:`~rdzv_core.errors.CorruptEntry` naming the key, having written
@@ -129,6 +134,7 @@ from rdzv_core.errors import (
     KeyExists,
     KeyNotFound,
     KVError,
+    ValueTooLarge,
 )
 from rdzv_core.kv import call_budget, Capabilities, Entry, Event, KVBackend, parse_counter
 from rdzv_core.plugins import BackendSpec, backend_plugin
@@ -538,8 +544,9 @@ class EtcdV3Backend(KVBackend):
         tries = Tries(self._seen)
         try:
             answer = self._txn(request, deadline, f"create {key!r}", tries)
-        except BaseException:
+        except BaseException as exc:
             self._revoke(lease, deadline)
+            _raise_if_too_large(exc, key, value)
             raise
         if not answer.succeeded:
             kvs = answer.responses[0].response_range.kvs
@@ -559,8 +566,9 @@ class EtcdV3Backend(KVBackend):
         try:
             answer = self._call(lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline,
                                 what=f"put {key!r}")
-        except BaseException:
+        except BaseException as exc:
             self._revoke(lease, deadline)
+            _raise_if_too_large(exc, key, value)
             raise
         self._revoke_replaced(answer.prev_kv, lease, deadline)
         return Entry(key, value, int(answer.header.revision))
@@ -586,8 +594,9 @@ class EtcdV3Backend(KVBackend):
         tries = Tries(self._seen)
         try:
             answer = self._txn(request, deadline, f"compare_and_swap {key!r}", tries)
-        except BaseException:
+        except BaseException as exc:
             self._revoke(lease, deadline)
+            _raise_if_too_large(exc, key, value)
             raise
         if not answer.succeeded:
             kvs = answer.responses[0].response_range.kvs
@@ -822,6 +831,22 @@ def _own_write(kv: Any, value: bytes, lease: int, tries: Tries, *, created: bool
         return int(kv.lease) == lease
     return (not tries.predates(int(kv.mod_revision)) and bytes(kv.value) == value and not kv.lease
             and (not created or int(kv.version) == 1))
+
+
+def _raise_if_too_large(error: BaseException, key: str, value: bytes) -> None:
+    """Raise :class:`ValueTooLarge` if ``error`` is etcd refusing a write as too large (nothing was written).
+
+    etcd answers ``request is too large`` above its ``--max-request-bytes``, and
+    gRPC ``received message larger than max`` above that plus 512 KiB; the
+    server's limit cannot be read through the API.
+    """
+    if isinstance(error, _ServerError) and ("request is too large" in error.details
+                                            or "larger than max" in error.details):
+        raise ValueTooLarge(
+            f"etcd refused the value of {len(value)} bytes for key {key!r} as too large ({error.details}): this "
+            f"backend accepts up to {MAX_VALUE_BYTES} bytes (max_value_bytes), but the server's "
+            "--max-request-bytes may be configured lower; store smaller values or raise the server's limit", key
+        ) from None
 
 
 def _deadline_exceeded(code: Any, details: str) -> bool:

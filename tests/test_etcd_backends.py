@@ -42,6 +42,7 @@ from rdzv_core import (
     KeyNotFound,
     KVBackend,
     KVError,
+    ValueTooLarge,
     list_backends,
     open_backend,
 )
@@ -429,6 +430,27 @@ def test_one_mebibyte_fits_etcd_default_request_limit(scheme: str, opener: Calla
         blob = os.urandom(1 << 20)
         assert kv.put("big/k", blob).value == blob
         assert kv.get("big/k").value == blob
+    finally:
+        server.stop()
+
+
+def test_v3_value_refused_by_a_smaller_server_limit_is_value_too_large(opener: Callable[[str], KVBackend]) -> None:
+    server = start(EtcdServer(extra_args=("--max-request-bytes", "262144")))  # gRPC's own limit: 256 + 512 KiB
+    try:
+        kv = opener(f"etcd-v3://{server.address}/")
+        kept = kv.put("big/kept", b"small")
+        for size in (600 * 1024, 900 * 1024):  # refused by etcd ("request is too large"), by gRPC ("larger than max")
+            blob = b"x" * size
+            for name, call in [("put", lambda: kv.put("big/k", blob)), ("create", lambda: kv.create("big/c", blob, 5)),
+                               ("compare_and_swap", lambda: kv.compare_and_swap("big/kept", blob, kept.revision))]:
+                with pytest.raises(ValueTooLarge) as caught:
+                    call()
+                assert caught.value.key in ("big/k", "big/c", "big/kept"), name
+                assert str(size) in str(caught.value) and "1048576" in str(caught.value), str(caught.value)
+        assert kv.get("big/k") is None and kv.get("big/c") is None and kv.get("big/kept") == kept
+        assert _leases(server) == set(), "the refused writes' leases are revoked"
+        v2 = opener(f"etcd-v2://{server.address}/")  # the v2 API does not apply --max-request-bytes
+        assert len(v2.put("big/v2", b"x" * 900 * 1024).value) == 900 * 1024
     finally:
         server.stop()
 
