@@ -6,8 +6,9 @@
 
 The v2 API exists only on servers started with ``--enable-v2=true`` (etcd 3.4
 and 3.5; gone in 3.6). Against a server without it, opening the backend fails
-at once with :class:`~rdzv_core.errors.InvalidURLError` pointing to
-``etcd-v3://``. Query keys are described in :mod:`rdzv_backends._etcd_common`.
+at once with :class:`~rdzv_core.errors.InvalidURLError` on ``scheme`` (as the
+URL wrote it) pointing to ``etcd-v3://``; against an HTTP server that is not
+etcd (no etcd ``GET /version``), with one on ``host``. Query keys are described in :mod:`rdzv_backends._etcd_common`.
 
 What ``python-etcd`` does and what is ours: each endpoint of the URL gets one
 ``etcd.Client`` (no reconnection, no member discovery, no redirects). It holds
@@ -585,7 +586,7 @@ class EtcdV2Backend(KVBackend):
             return
         payload = answer.body
         if answer.code is None and (payload.get("status") == 404 or "404 page not found" in str(payload.get("cause"))):
-            raise self._v2_disabled(ep)  # Go's "404 page not found", not a v2 answer
+            raise self._no_v2(ep)  # Go's "404 page not found" (or another server's 404), not a v2 answer
         if answer.code == _UNAUTHORIZED or payload.get("status") == 401:
             hint = "" if self.settings.username else "; add USER:PASSWORD@ before the host in the URL"
             raise InvalidURLError(
@@ -606,15 +607,42 @@ class EtcdV2Backend(KVBackend):
             return BackendTimeout(f"{where} did not answer the {method} in time")
         return BackendConnectionError(f"connection to {where} lost during a {method}: {cause}")
 
-    def _v2_disabled(self, ep: _Endpoint) -> InvalidURLError:
+    def _no_v2(self, ep: _Endpoint) -> InvalidURLError:
+        """The error for a 404 at ``/v2/keys``: an etcd without the v2 API, or no etcd (``GET /version`` tells)."""
         host = f"[{ep.host}]" if ":" in ep.host else ep.host
+        version, answered = self._etcd_version(ep)
+        if version is None:
+            return InvalidURLError(
+                "host", f"{host}:{ep.port}",
+                f"the server at {ep.base_uri} is not etcd: /v2/keys/ is not there, and GET /version answered "
+                f"{answered}, not etcd's version; check the URL's host and port (etcd's client port is 2379)",
+            )
         return InvalidURLError(
             "scheme",
-            "etcd-v2",
-            f"the etcd server at {ep.base_uri} does not serve the v2 API (v2 is disabled: it was started "
-            "without --enable-v2=true, and etcd 3.6+ has no v2 at all); use an etcd-v3:// URL "
-            f"(etcd-v3://{host}:{ep.port}/RUN_ID) or start etcd with --enable-v2=true",
+            self.settings.scheme,
+            f"the etcd server at {ep.base_uri} (etcd {version}) does not serve the v2 API that "
+            f"{self.settings.scheme}:// uses (v2 is disabled: it was started without --enable-v2=true, and etcd "
+            f"3.6+ has no v2 at all); use an etcd-v3:// URL (etcd-v3://{host}:{ep.port}/RUN_ID) or start etcd with "
+            "--enable-v2=true",
         )
+
+    def _etcd_version(self, ep: _Endpoint) -> tuple[str | None, str]:
+        """``(etcd's server version or None, what GET /version answered)``; etcd 3.5 serves it without v2 too."""
+        seconds = min(call_budget(self.settings.operation_timeout), 2.0)
+        try:
+            response = self._execute(ep.client, "/version", "GET", params={},
+                                     timeout=self._u3.Timeout(connect=seconds, read=seconds))
+            data = response.data or b""
+        except (self._u3.exceptions.HTTPError, http.client.HTTPException, OSError) as exc:
+            return None, f"nothing ({_reason(exc)})"
+        try:
+            body = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            body = None
+        if response.status == 200 and isinstance(body, dict) and "etcdserver" in body:
+            return str(body["etcdserver"]), "etcd's version"
+        first_line = data.split(b"\n", 1)[0][:60]
+        return None, f"HTTP {response.status} {first_line!r}"
 
     def _probe(self, deadline: Deadline) -> None:
         """Check at open that some endpoint serves the v2 API."""

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from conformance_tests.etcd_server import EtcdServer
+from conformance_tests.servers import free_port, wait_for_port
 from rdzv_core import InvalidURLError, open_backend
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary on PATH")
@@ -172,6 +173,46 @@ def test_tls_checks_accept_good_files(tls: dict[str, str], tls_etcd: EtcdServer)
     for scheme in SCHEMES:
         with open_backend(f"{scheme}://{tls_etcd.address}/job?{query(tls)}") as kv:
             assert kv.put("ok", b"1").value == b"1"
+
+
+# -- etcd:// to a server that is not etcd, or an etcd without v2 ------------------------------------
+@pytest.fixture
+def http_server(tmp_path: Any) -> Iterator[str]:
+    """``python -m http.server`` on a free port (serving an empty directory): ``HOST:PORT``."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
+                            cwd=str(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        if not wait_for_port("127.0.0.1", port, time.monotonic() + 30):
+            pytest.fail("python -m http.server did not start")
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("scheme", ["etcd", "etcd-v2"])
+def test_bad_input_etcd_v2_url_to_an_http_server_that_is_not_etcd(
+    scheme: str, http_server: str, record_property: Any
+) -> None:
+    error, elapsed = open_bad(f"{scheme}://{http_server}/job", "etcd-v2 URL to an HTTP server that is not etcd",
+                              record_property)
+    assert error.field == "host" and error.value == http_server
+    assert "not etcd" in str(error) and "etcd-v3" not in str(error) and "--enable-v2" not in str(error)
+    assert elapsed < FAST
+
+
+def test_bad_input_etcd_url_to_an_etcd_without_v2_names_the_scheme_as_typed(record_property: Any) -> None:
+    server = EtcdServer(enable_v2=False)
+    server.start()
+    try:
+        error, elapsed = open_bad(f"etcd://{server.address}/job", "etcd:// URL to an etcd without the v2 API",
+                                  record_property)
+    finally:
+        server.stop()
+    assert error.field == "scheme" and error.value == "etcd", repr(error)
+    assert "etcd-v2" not in str(error) and "etcd-v3://" in str(error)
+    assert elapsed < FAST
 
 
 # -- gRPC's C-core log ---------------------------------------------------------------------

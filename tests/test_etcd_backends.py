@@ -103,8 +103,9 @@ def test_v2_disabled_fails_at_open_and_points_to_v3() -> None:
         assert isinstance(error, InvalidURLError), error
         assert "v2" in str(error) and "etcd-v3://" in str(error)
         assert elapsed < 5.0, "the v2-disabled error must come at once, not after retries"
+        assert error.field == "scheme" and error.value == "etcd-v2"
         error, _ = timed(lambda: open_backend(f"etcd://{server.address}/"))
-        assert isinstance(error, InvalidURLError)
+        assert isinstance(error, InvalidURLError) and error.value == "etcd", "the scheme as the URL wrote it"
         with open_backend(f"etcd-v3://{server.address}/") as kv:  # the same server serves v3
             assert kv.put("k", b"v").value == b"v"
     finally:
