@@ -321,7 +321,7 @@ class _Monitor:
     def __init__(self, kv: Any, rdzv: Any, check_interval: float) -> None:
         self.kv, self.rdzv, self.check_interval = kv, rdzv, check_interval
         version = rdzv.current.version
-        self.alive_prefix = rdzv._vkey(version, "alive") + "/"
+        self.alive_prefix = rdzv._vkey(version, rdzv.current.round_id or None, "alive") + "/"
         self.state_key = rdzv._state_key
         entries, self.revision = kv.list(self.alive_prefix)
         self.expected = {e.key for e in entries}

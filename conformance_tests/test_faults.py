@@ -24,6 +24,7 @@ which ``conformance_tests/reliability_table.py`` renders ``docs/reliability.md``
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
@@ -42,6 +43,7 @@ from rdzv_core import (
     ValueTooLarge,
     open_backend,
 )
+from rdzv_core.rendezvous import round_segment
 
 from .plugin import backends_opened
 from .test_rendezvous import Agent, crew_of, round_of
@@ -346,11 +348,15 @@ def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_pr
         a.start()
         b.start()
         deadline = time.monotonic() + 10
-        while (entry := kv.get(root + "/v_1/joined")) is None or entry.value != b"2":
+        while (record := kv.get(root + "/state/round")) is None or b'"id"' not in record.value:
+            assert time.monotonic() < deadline, "round 1 was never set up"
+            kv.watch(root + "/", kv.list(root + "/")[1], 0.2)
+        joined = f"{root}/{round_segment(1, json.loads(record.value)['id'])}/joined"
+        while (entry := kv.get(joined)) is None or entry.value != b"2":
             assert time.monotonic() < deadline, "two agents never joined round 1"
             kv.watch(root + "/", kv.list(root + "/")[1], 0.2)
-        for lost in ("/counter/version", "/v_1/joined"):  # lost with the rest of the keys...
-            kv.delete(root + lost)
+        for lost in (root + "/counter/version", joined):  # lost with the rest of the keys...
+            kv.delete(lost)
         kv.add(root + "/counter/version", 1)  # ...and round 1 set up anew by the first agent to look
         kv.put(root + "/state/round", b'{"status": "joinable", "version": 1}')
         c.start()
@@ -359,6 +365,45 @@ def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_pr
         finally:
             for agent in (a, b, c):
                 agent.rdzv.leave()
+
+
+def test_after_the_run_keys_are_lost_the_old_round_never_reaches_the_new_ones_keys(fast_kv, key_prefix) -> None:
+    """A's round 1 is final; every key of the run is lost (a backend restarted without its data);
+    B then forms round 1 again -- the version counter started over. A's keep-alive writes its key
+    back and A's round Store still writes: neither may land in B's round. Each round's keys carry
+    its random id, so B's Store and B's keep-alive prefix hold only B's keys. Before: both rounds
+    used ``v_1/`` and ``store/v_1/``, and A's recreated key took the place of B's rank 0."""
+    pytest.importorskip("torch")
+    import datetime
+
+    from rdzv_core.store import KVStore
+
+    kv = fast_kv()
+    params = RendezvousParams(min_nodes=1, max_nodes=1, keep_alive_ttl=TTL, last_call_timeout=LAST_CALL,
+                              timeout=OVERALL, prefix=key_prefix.rstrip("/"))
+    a, b = Rendezvous(kv, "lost", params), Rendezvous(fast_kv(), "lost", params)
+    try:
+        first = a.next_round()
+        old_store = KVStore(kv, a.store_prefix(first.version), datetime.timedelta(seconds=5))
+        old_store.set("MASTER_ADDR", b"old-host")
+        for entry in kv.list(a.root + "/")[0]:  # the loss
+            kv.delete(entry.key)
+        second = b.next_round()
+        assert (second.version, second.rank, second.world_size) == (first.version, 0, 1)  # version 1 again
+        new_store = KVStore(b.kv, b.store_prefix(second.version), datetime.timedelta(seconds=5))
+        keepalive = a._keepalive
+        assert keepalive is not None and keepalive.lapsed.wait(10 * TTL), "A's keep-alive never found its key gone"
+        deadline = time.monotonic() + 10 * TTL
+        while kv.get(a._alive_key or "") is None:  # A's keep-alive writes its key back...
+            assert time.monotonic() < deadline, "A's keep-alive did not write its key again"
+            time.sleep(0.05)
+        old_store.set("late", b"from the old round")  # ...and A's round Store still writes
+        assert not new_store.check(["MASTER_ADDR"]) and not new_store.check(["late"])
+        alive = b.kv.list(b._vkey(second.version, second.round_id, "alive") + "/")[0]
+        assert [json.loads(e.value)["node"] for e in alive] == [b.node_id]
+    finally:
+        a.leave()
+        b.leave()
 
 
 # -- bad input: corrupt state ------------------------------------------------------------------

@@ -25,6 +25,7 @@ from rdzv_core import (
     RendezvousTimeout,
     RoundResult,
 )
+from rdzv_core.rendezvous import round_segment
 
 pytestmark = pytest.mark.rendezvous
 
@@ -222,7 +223,7 @@ def test_lapsed_keep_alive_key_is_written_again(agents, kv) -> None:
     group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     results = _wait_all(group)
     member, result = group[0], results[0]
-    alive_key = f"{member.rdzv.root}/v_{result.version}/alive/rank_{result.rank}"
+    alive_key = f"{member.rdzv.root}/{round_segment(result.version, result.round_id)}/alive/rank_{result.rank}"
     kv.delete(alive_key)
     _until(kv, alive_key.rsplit("/", 1)[0] + "/", lambda: kv.get(alive_key) is not None, 10 * TTL,
            "the lapsed keep-alive key was not written again")

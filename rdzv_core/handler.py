@@ -156,7 +156,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
     def next_rendezvous(self) -> torch_api.RendezvousInfo:
         """Join the next round; block until it is final (see ``Rendezvous.next_round``)."""
         result = self._rdzv.next_round()
-        prefix = self._rdzv.store_prefix(result.version)
+        prefix = self._rdzv.store_prefix(result.version, result.round_id)
         store = _RoundStore(self._kv, prefix, self._store_timeout, on_exit_barrier=self._rdzv.mark_finished)
         # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it at most
         # min(store timeout, rendezvous timeout), then report a timeout (rank 0 died).

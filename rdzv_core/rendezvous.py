@@ -38,12 +38,16 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID``::
     ROOT/state/round            JSON round record (the only key CAS'd)
     ROOT/state/closed           present once the run is closed (never expires)
     ROOT/counter/version        round version counter
-    ROOT/v_V/joined             join tickets of round V (ticket t -> rank t-1)
-    ROOT/v_V/confirmed          confirmations of round V
-    ROOT/v_V/waiting            late nodes counted while V is final
-    ROOT/v_V/alive/rank_R       keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
-    ROOT/v_V/extra/KEY          extra data of round V
-    ROOT/store/v_V/...          the c10d Store of round V (see rdzv_core.store)
+    ROOT/v_V.ID/joined          join tickets of round V (ticket t -> rank t-1)
+    ROOT/v_V.ID/confirmed       confirmations of round V
+    ROOT/v_V.ID/waiting         late nodes counted while V is final
+    ROOT/v_V.ID/alive/rank_R    keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
+    ROOT/v_V.ID/extra/KEY       extra data of round V
+    ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
+
+``ID`` is the round record's random id (:func:`round_segment`), so no round --
+not even one of the same version after the backend lost the run's keys -- sees
+another's keys.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ import json
 import logging
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -78,7 +83,7 @@ from .keepalive import KeepAlive
 from .outage import OutageLog
 from .url import validate_run_id
 
-__all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress"]
+__all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress", "round_segment"]
 
 log = logging.getLogger(__name__)
 
@@ -409,7 +414,7 @@ class Rendezvous:
                 not _same_round(state, current.version, current.round_id or None):
             return False
         mine = f"rank_{current.rank}"
-        for e in self.kv.list(self._vkey(current.version, "alive") + "/")[0]:
+        for e in self.kv.list(self._vkey(current.version, current.round_id or None, "alive") + "/")[0]:
             member = _member(e)
             if e.key.rsplit("/", 1)[-1] != mine and "corrupt" not in member and "finished" not in member:
                 return True
@@ -472,37 +477,44 @@ class Rendezvous:
         ):
             joined = 0
             if state is not None and state["status"] == JOINABLE:
-                joined = self._counter(self._vkey(state["version"], "joined"))
+                joined = self._counter(self._vkey(state["version"], state.get("id"), "joined"))
             return max(1, joined)
         if state is None or state["status"] != FINAL:
             return 0
         if state["participants"] >= (self.params.max_nodes or self.params.min_nodes):
             return 0  # the round is full: the nodes waiting are spares, admitted only when a member is lost
-        return self._counter(self._vkey(state["version"], "waiting"))
+        return self._counter(self._vkey(state["version"], state.get("id"), "waiting"))
 
-    def store_extra_data(self, version: int, key: str, value: bytes) -> None:
-        """Store ``value`` under ``key`` for round ``version`` (after the seed's ``store_extra_data``)."""
-        self.kv.put(self._vkey(version, "extra", escape_segment(key)), value)
+    def store_extra_data(self, version: int, key: str, value: bytes, round_id: str | None = None) -> None:
+        """Store ``value`` under ``key`` for round ``version`` (after the seed's ``store_extra_data``).
 
-    def load_extra_data(self, version: int, key: str, timeout: float) -> bytes:
-        """Wait up to ``timeout`` seconds for extra data ``key`` of round ``version``.
+        ``round_id``: the round's id (:attr:`RoundResult.round_id`); default: this node's
+        current round's if its version is ``version`` (else a round without id).
+        """
+        self.kv.put(self._vkey(version, self._rid_of(version, round_id), "extra", escape_segment(key)), value)
+
+    def load_extra_data(self, version: int, key: str, timeout: float, round_id: str | None = None) -> bytes:
+        """Wait up to ``timeout`` seconds for extra data ``key`` of round ``version`` (``round_id``:
+        as for :meth:`store_extra_data`).
 
         Raises:
             RendezvousTimeout: not published in time (the seed waited forever).
         """
-        full = self._vkey(version, "extra", escape_segment(key))
+        extra = self._vkey(version, self._rid_of(version, round_id), "extra") + "/"
+        full = extra + escape_segment(key)
         deadline = time.monotonic() + timeout
         while True:
-            entries, revision = self.kv.list(self._vkey(version, "extra") + "/")
+            entries, revision = self.kv.list(extra)
             for entry in entries:
                 if entry.key == full:
                     return entry.value
-            if not wait_for_change(self.kv, self._vkey(version, "extra") + "/", revision, deadline):
+            if not wait_for_change(self.kv, extra, revision, deadline):
                 raise RendezvousTimeout(f"extra data {key!r} of round {version} not published within {timeout} s")
 
-    def store_prefix(self, version: int) -> str:
-        """Key prefix (ending in ``/``) of round ``version``'s c10d Store."""
-        return join_key(self.root, "store", f"v_{version}") + "/"
+    def store_prefix(self, version: int, round_id: str | None = None) -> str:
+        """Key prefix (ending in ``/``) of the c10d Store of round ``version`` (``round_id``: as for
+        :meth:`store_extra_data`): ``ROOT/store/v_V.ID/``."""
+        return join_key(self.root, "store", round_segment(version, self._rid_of(version, round_id))) + "/"
 
     def describe(self) -> dict[str, Any]:
         """The run's current state as plain data: status, version, participants, alive ranks, waiting."""
@@ -512,10 +524,11 @@ class Rendezvous:
         out: dict[str, Any] = {"run_id": self.run_id, **state}
         version = state.get("version")
         if isinstance(version, int) and version > 0:
-            alive, _ = self.kv.list(self._vkey(version, "alive") + "/")
+            rid = state.get("id")
+            alive, _ = self.kv.list(self._vkey(version, rid, "alive") + "/")
             out["alive"] = [_member(e) for e in alive]
             for name in ("joined", "waiting"):
-                out[name] = self._counter(self._vkey(version, name))
+                out[name] = self._counter(self._vkey(version, rid, name))
         return out
 
     # -- one attempt (after the seed's init_phase) ----------------------------
@@ -610,7 +623,7 @@ class Rendezvous:
             self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
         else:
             self._defer_to_incumbents(version, rid, deadline)
-            ticket = self._add(self._vkey(version, "joined"))
+            ticket = self._add(self._vkey(version, rid, "joined"))
             self._held = _Held(version, rid, ticket)
             self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
         if ticket == p.max_nodes:
@@ -644,7 +657,7 @@ class Rendezvous:
         if defer is None:
             return
         incumbents, until = defer[0], min(defer[1], deadline)
-        joined_key = self._vkey(version, "joined")
+        joined_key = self._vkey(version, rid, "joined")
         version_dir = joined_key.rsplit("/", 1)[0] + "/"
         while time.monotonic() < until:
             revision = self.kv.list(version_dir)[1]
@@ -700,14 +713,14 @@ class Rendezvous:
                 return
             now = time.monotonic()
             if now >= end:
-                joined = self._counter(self._vkey(version, "joined"))
+                joined = self._counter(self._vkey(version, rid, "joined"))
                 self._freeze(version, rid, min(joined, p.max_nodes or joined), deadline)  # type: ignore[type-var]
                 return
             try:
                 self.kv.refresh(self._state_key, ttl)
             except KeyNotFound:
                 return
-            self._progress("last-call", version, self._counter(self._vkey(version, "joined")), deadline)
+            self._progress("last-call", version, self._counter(self._vkey(version, rid, "joined")), deadline)
             wait_for_change(self.kv, self._state_dir, entry.revision, min(now + ttl / 3, end))
 
     def _wait_until_not_joinable(
@@ -722,7 +735,7 @@ class Rendezvous:
                 raise _Retry(f"round {version} expired before it froze")
             if state["status"] != JOINABLE or not _same_round(state, version, rid):
                 return entry, state
-            joined = self._counter(self._vkey(version, "joined"))
+            joined = self._counter(self._vkey(version, rid, "joined"))
             self._progress("joining", version, joined, deadline)
             if joined >= self.params.min_nodes and "last_call" not in state:
                 # The node holding ticket min (or max) must mark or freeze the round; if it died
@@ -747,7 +760,7 @@ class Rendezvous:
         (:meth:`_check_frozen_stall`).
         """
         ttl = self.params.keep_alive_ttl
-        alive_key = self._vkey(version, "alive", f"rank_{rank}")
+        alive_key = self._vkey(version, rid, "alive", f"rank_{rank}")
         info = {"rank": rank, "node": self.node_id, "host": socket.gethostname(), "since": round(time.time(), 3)}
         self.kv.put(alive_key, _encode(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info
@@ -759,10 +772,10 @@ class Rendezvous:
             # resumed after a backend error: counted already (or maybe: the add's answer was lost).
             # Never count twice -- a confirmation that was lost stalls the round, which is destroyed
             # after keep_alive_ttl; one counted twice would make it final without a member.
-            confirmed = self._counter(self._vkey(version, "confirmed"))
+            confirmed = self._counter(self._vkey(version, rid, "confirmed"))
         else:
             self._held = _Held(version, rid, rank + 1, confirmed=True)
-            confirmed = self._add(self._vkey(version, "confirmed"))
+            confirmed = self._add(self._vkey(version, rid, "confirmed"))
         if confirmed == world:
             while time.monotonic() < deadline:
                 entry, state = self._read_state()
@@ -804,7 +817,7 @@ class Rendezvous:
             _Retry: the round was destroyed (by this node or another).
         """
         version = state["version"]
-        confirmed = self._counter(self._vkey(version, "confirmed"))
+        confirmed = self._counter(self._vkey(version, state.get("id"), "confirmed"))
         if self._stall.same_for((entry.key, entry.revision, confirmed)) >= self.params.keep_alive_ttl:
             self._destroy(entry, f"round {version} stalled while frozen: {confirmed} of "
                                  f"{state.get('participants')} members confirmed")
@@ -826,14 +839,15 @@ class Rendezvous:
         version = state["version"]
         world = _int_field(state, "participants", self._state_key)
         spare = world >= (self.params.max_nodes or self.params.min_nodes)
+        rid = state.get("id")
         if version not in self._announced:
-            self._add(self._vkey(version, "waiting"))
+            self._add(self._vkey(version, rid, "waiting"))
             self._announced.add(version)
         started = time.monotonic()
         if spare and self._spare_since is None:
             self._spare_since = started
         logged = -float("inf")
-        alive_prefix = self._vkey(version, "alive") + "/"
+        alive_prefix = self._vkey(version, rid, "alive") + "/"
         while True:
             alive, revision = self.kv.list(alive_prefix)
             ranks = {e.key.rsplit("/", 1)[-1] for e in alive}
@@ -920,14 +934,23 @@ class Rendezvous:
         except CorruptEntry as exc:
             raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
 
-    def _vkey(self, version: int, *parts: str) -> str:
-        return join_key(self.root, f"v_{version}", *parts)
+    def _vkey(self, version: int, rid: str | None, *parts: str) -> str:
+        """A key of round ``(version, rid)``: ``ROOT/v_V.RID/PARTS`` (``v_V`` for a record without id)."""
+        return join_key(self.root, round_segment(version, rid), *parts)
+
+    def _rid_of(self, version: int, round_id: str | None) -> str | None:
+        """``round_id``, else the id of this node's current round if its version is ``version``."""
+        if round_id is not None:
+            return round_id or None
+        current = self.current
+        return (current.round_id or None) if current is not None and current.version == version else None
 
     def _watch_round(self, result: RoundResult) -> None:
         """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
         self._unwatch_round()
         self._watched = roundwatch.RoundKeys(
-            run_id=self.run_id, root=self.root, version=result.version, rid=result.round_id,
+            run_id=self.run_id, alive_prefix=self._vkey(result.version, result.round_id or None, "alive") + "/",
+            version=result.version, rid=result.round_id,
             world=result.world_size, state_key=self._state_key, closed_key=self._closed_key,
             final_revision=self._final_revision,
         )
@@ -972,6 +995,20 @@ def _member(entry: Entry) -> dict[str, Any]:
     return {"key": entry.key, **member}
 
 
+#: A round id as written in a record (``uuid4().hex[:16]``) and read back: it becomes part of a key segment.
+_ROUND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def round_segment(version: int, rid: str | None) -> str:
+    """The key segment of round ``(version, rid)``: ``v_V.RID``, or ``v_V`` for a record without id.
+
+    The round's random id in every per-round key (and its Store's prefix) keeps a round
+    from ever reading or writing another's keys -- also one of the same version, after
+    the backend lost the run's keys and the version counter started again.
+    """
+    return f"v_{version}.{rid}" if rid else f"v_{version}"
+
+
 def _round_record(status: str, version: int, rid: str | None, participants: int | None = None) -> dict[str, Any]:
     """A round record: ``status``, ``version``, the round's random ``id`` (if known), ``participants``."""
     record: dict[str, Any] = {"status": status, "version": version}
@@ -1009,9 +1046,9 @@ def _decode_state(entry: Entry) -> dict[str, Any]:
     if state["status"] != SETUP:
         _int_field(state, "version", entry.key)
     rid = state.get("id")
-    if rid is not None and not (isinstance(rid, str) and 0 < len(rid) <= 64):
-        raise RendezvousStateError(f"round record at {entry.key!r}: 'id' must be a short string, got {rid!r:.80}",
-                                   entry.key)
+    if rid is not None and not (isinstance(rid, str) and _ROUND_ID.fullmatch(rid)):
+        raise RendezvousStateError(f"round record at {entry.key!r}: 'id' must be 1-64 letters, digits, '_' or '-' "
+                                   f"(it names the round's keys), got {rid!r:.80}", entry.key)
     if state["status"] in (FROZEN, FINAL):
         _int_field(state, "participants", entry.key)
     return state

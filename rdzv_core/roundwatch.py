@@ -2,9 +2,9 @@
 
 While a round is final every member subscribes (:func:`subscribe`). The first
 subscriber of a round in this process starts a daemon thread that watches the
-round's keep-alive prefix (``ROOT/v_V/alive/``) through a subscriber's backend
-client; later subscribers of the same round -- the same ``(root, version, round
-id)``; the round id is random per round, so equal ids mean one keyspace -- share
+round's keep-alive prefix (``ROOT/v_V.ID/alive/``) through a subscriber's backend
+client; later subscribers of the same round -- the same ``(keep-alive prefix, version,
+round id)``; the round id is random per round, so equal ids mean one keyspace -- share
 it, so a process with 512 member threads has one watch, not 512. On a ``DELETE``
 event (a key deleted, or expired: the protocol reports expiry as a delete) the
 thread lists the prefix again; if a rank in ``0 .. world-1`` has no key and the
@@ -55,7 +55,7 @@ class RoundKeys:
 
     Attributes:
         run_id: the run id (for logs).
-        root: the run's key root (``PREFIX/run_RUN_ID``).
+        alive_prefix: the prefix of the round's keep-alive keys ``rank_R`` (ends in ``/``).
         version: the round version (int).
         rid: the round's random id (``""`` for a record without one).
         world: number of members (int >= 1): ranks ``0 .. world-1`` each have a key.
@@ -64,7 +64,7 @@ class RoundKeys:
     """
 
     run_id: str
-    root: str
+    alive_prefix: str
     version: int
     rid: str
     world: int
@@ -73,12 +73,8 @@ class RoundKeys:
     final_revision: int
 
     @property
-    def alive_prefix(self) -> str:
-        return f"{self.root}/v_{self.version}/alive/"
-
-    @property
     def ident(self) -> tuple[str, int, str]:
-        return (self.root, self.version, self.rid)
+        return (self.alive_prefix, self.version, self.rid)
 
 
 class _RoundWatch:
@@ -199,7 +195,7 @@ def unsubscribe(member: object, keys: RoundKeys) -> None:
 
 
 def watched_rounds() -> dict[tuple[str, int, str], int]:
-    """``(root, version, round id)`` -> subscribers, for every round watched in this process (tests, status)."""
+    """``(keep-alive prefix, version, round id)`` -> subscribers of every round watched in this process."""
     with _lock:
         return {ident: len(w.subscribers) for ident, w in _watches.items()}
 

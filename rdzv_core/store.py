@@ -2,7 +2,7 @@
 
 Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
 segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix
-(``ROOT/store/v_V/`` for a rendezvous round),
+(``ROOT/store/v_V.ID/`` for a rendezvous round),
 so two runs or two rounds never see each other's keys and no key can escape the
 prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
 until the keys appear or the timeout passes.

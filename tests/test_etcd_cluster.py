@@ -172,7 +172,7 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     leader.kill()
     gone = _deletes_under(observer, rdzv.root + "/", after, until=killed + TTL + _resolution(scheme))
     record_after = observer.get(state_key)
-    alive = observer.list(rdzv.root + f"/v_{version}/alive/")[0]
+    alive = observer.list(rdzv._vkey(version, rdzv.current.round_id or None, "alive") + "/")[0]
     waiting = [m.rdzv.num_nodes_waiting() for m in members]
     keepalives = [m.rdzv._keepalive for m in members]
     t0 = time.monotonic()
