@@ -42,7 +42,10 @@ CI_URLS = ("memory://conformance/", "file://{tmp}/", "redis://{server:redis}/", 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 #: Fault tests of a source checkout (in :data:`TESTS`), run when present.
-SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py")
+SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py",
+                "test_bad_input.py", "test_bad_input_etcd.py")
+#: Tests of bad input (URLs, TLS files, run ids, query values) that record ``bad_input`` and ``time_to_error_s``.
+BAD_INPUT_PREFIX = "test_bad_input_"
 #: Backends the network, cluster and clock tests parametrize themselves (whatever ``--rdzv-url`` says).
 OWN_SCHEMES = ("redis", "etcd-v2", "etcd-v3")
 
@@ -60,6 +63,12 @@ NETWORK_FAULTS = {
     "test_drop_fails_each_operation_promptly_with_connection_error": "drop: every operation",
     "test_keepalive_outlives_a_black_hole_shorter_than_its_ttl": "keep-alive through a 2 s black hole (TTL 4 s)",
     "test_next_rendezvous_succeeds_once_the_network_is_back": "next round after black hole, drop, pass",
+    "test_store_calls_into_a_black_hole_end_within_the_store_timeout":
+        "black hole: c10d Store calls (Store timeout 1 s, operation_timeout 10 s)",
+    "test_store_calls_over_dropped_connections_raise_torchs_network_error":
+        "drop: c10d Store calls (Store timeout 1 s, operation_timeout 10 s)",
+    "test_next_rendezvous_into_a_black_hole_raises_torchs_connection_error":
+        "black hole: the handler's next_rendezvous (timeout 3 s)",
 }
 NET_OPS = ("open", "get", "list", "put", "create", "compare_and_swap", "compare_and_delete", "delete", "add",
            "refresh", "watch")
@@ -166,6 +175,13 @@ def _fault_text(r: Result) -> str:
     p = r.props
     if r.test in dict(NET_MODES):
         text = _ops_text(p)
+    elif r.test.startswith("test_store_calls_"):
+        times = [v for k, v in p.items() if k.startswith("store.") and k.endswith("_s")]
+        errors = sorted({v for k, v in p.items() if k.startswith("store.") and k.endswith("_error")})
+        text = f"{len(times)} calls {min(times, key=float)}–{max(times, key=float)} s ({', '.join(errors)})" \
+            if times else ""
+    elif "raised_after_s" in p:
+        text = f"RendezvousConnectionError after {p['raised_after_s']} s"
     elif r.test == "test_keepalive_outlives_a_black_hole_shorter_than_its_ttl" and "hole_s" in p:
         text = f"black hole {p['hole_s']} s"
     elif "recovery_s" in p:
@@ -267,8 +283,10 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
             label = f"`{test}`" + (f" [{case}]" if case else "")
             rows.append([label] + [_cell(_find(results, test, b, case)) for b in backends])
     out += _table(["test"] + list(backends), rows) + [""]
+    out += _bad_input_times(results)
     own = set(NETWORK_FAULTS) | set(CLUSTER_FAULTS) | set(CLOCK_FAULTS)
-    solo = [r for r in results if not r.backend and r.test not in SERVER_FAULTS and r.test not in own]
+    solo = [r for r in results if not r.backend and r.test not in SERVER_FAULTS and r.test not in own
+            and not r.test.startswith(BAD_INPUT_PREFIX)]
     if solo:
         out += ["### State-machine cases run once (`memory://`)", ""]
         out += _table(["test", "outcome"], [[f"`{r.test}`" + (f" [{r.case}]" if r.case else ""), _cell(r)]
@@ -282,6 +300,21 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
     if failed:
         out += ["### Failures in this run", ""] + [f"- {f}" for f in failed] + [""]
     return "\n".join(out)
+
+
+def _bad_input_times(results: list[Result]) -> list[str]:
+    """The table of bad input held at the front door: what was given, where, the outcome, seconds to the error."""
+    mine = [r for r in results if r.test.startswith(BAD_INPUT_PREFIX)]
+    if not mine:
+        return []
+    rows = []
+    for r in sorted(mine, key=lambda r: (r.test, r.backend, r.case)):
+        where = "/".join(x for x in (r.backend, r.case) if x) or "—"
+        seconds = r.props.get("time_to_error_s", "—")
+        rows.append([r.props.get("bad_input", r.test[len(BAD_INPUT_PREFIX):].replace("_", " ")), where,
+                     _cell(r), seconds])
+    return ["### Bad input: time to a clear error (`tests/test_bad_input*.py`)", ""] + _table(
+        ["input", "case", "outcome", "seconds to the error"], rows) + [""]
 
 
 def _splice(path: str, body: str) -> None:
