@@ -2,15 +2,19 @@
 
 ::
 
-    rdzv backends [--json]            installed schemes, providing distribution, capabilities
+    rdzv backends [--json]            installed schemes, providing distribution, default port, capabilities
     rdzv status URL [--json]          round version, state, participants, waiting count, closed,
-                                      version counter (exit 1 if corrupt or behind the round)
+                                      version counter, and a verdict (below)
     rdzv close URL [--yes]            close the run (no new rounds)
     rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
     rdzv check URL [--json]           connect, run a short protocol self-test, report latency
 
-Errors are one line on stderr saying what to do, with exit code 2 (bad input) or
-1 (backend trouble).
+Exit codes (:data:`EXIT_CODES`), the same for every command, so that a monitoring
+probe can use ``rdzv status``: 0 healthy / done; 1 unhealthy or not done (status:
+``degraded``, ``corrupt`` or ``absent``; a failed check; a refused confirmation);
+2 bad usage (a bad option or URL); 3 the backend is unreachable or did not answer.
+``status --json`` carries the same verdict in ``"verdict"`` (also when unreachable).
+Errors are one line on stderr saying what to do.
 """
 
 from __future__ import annotations
@@ -29,7 +33,19 @@ from .errors import BackendUnavailable, ConfigError, CorruptEntry, KeyNotFound, 
 from .kv import KVBackend, join_key, parse_counter
 from .rendezvous import Rendezvous
 
-__all__ = ["main"]
+__all__ = ["main", "EXIT_CODES", "VERDICT_EXIT"]
+
+#: Exit code -> meaning, for every ``rdzv`` command.
+EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or not done",
+              2: "bad usage (option, URL)", 3: "backend unreachable"}
+
+#: ``rdzv status``'s verdict -> its exit code. ``degraded``: a member of the current round has no live
+#: keep-alive key; ``corrupt``: stored state a round cannot use (``rdzv reset`` clears it); ``absent``:
+#: nothing stored for the run (not started, reset, or a mistyped URL or run id).
+VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
+
+#: How many server endpoints each built-in backend takes (its URL's host list), for ``rdzv backends``.
+SERVER_ENDPOINTS = {"etcd-v2": "many", "etcd-v3": "many", "redis": "one", "file": "none", "memory": "none"}
 
 
 def _open(url: str) -> tuple[KVBackend, Rendezvous]:
@@ -49,15 +65,25 @@ def _confirm(args: argparse.Namespace, what: str) -> bool:
 
 
 def cmd_backends(args: argparse.Namespace) -> int:
-    rows = {s: {"distribution": b.distribution, "name": b.spec.name, **b.spec.capabilities.as_dict()}
+    """The installed backends. ``multi_host`` is whether agents on many hosts can meet through it;
+    ``server_endpoints`` how many servers its URL may name (Redis: one; ``None`` if not known)."""
+    rows = {s: {"distribution": b.distribution, "name": b.spec.name, "default_port": b.spec.default_port,
+                "server_endpoints": SERVER_ENDPOINTS.get(b.spec.name), **b.spec.capabilities.as_dict()}
             for s, b in list_backends().items()}
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'scheme':<10} {'backend':<10} {'distribution':<16} {'multi_host':<10} {'server_ttl':<10} {'watch':<6} tls")
+
+    def yes(flag: object) -> str:
+        return "yes" if flag else "no"
+
+    print(f"{'scheme':<10} {'backend':<10} {'distribution':<14} {'port':<5} {'agents on many hosts':<20} "
+          f"{'server endpoints':<16} {'server_ttl':<10} {'watch':<5} tls")
     for scheme, r in rows.items():
-        print(f"{scheme:<10} {r['name']:<10} {r['distribution']:<16} {str(r['multi_host']):<10} "
-              f"{str(r['server_side_ttl']):<10} {str(r['native_watch']):<6} {r['tls']}")
+        port = "-" if r["default_port"] is None else str(r["default_port"])
+        print(f"{scheme:<10} {r['name']:<10} {r['distribution']:<14} {port:<5} {yes(r['multi_host']):<20} "
+              f"{r['server_endpoints'] or '?':<16} {yes(r['server_side_ttl']):<10} {yes(r['native_watch']):<5} "
+              f"{yes(r['tls'])}")
     return 0
 
 
@@ -66,28 +92,37 @@ RESET_HINT = "to start the run afresh: rdzv reset <the same URL>"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Show the run's round record, members and version counter.
+    """Show the run's round record, members and version counter, and a verdict (:data:`VERDICT_EXIT`).
 
-    Exit status 1 (with a one-line hint to ``rdzv reset``) when the counter
+    ``corrupt`` (with a one-line hint to ``rdzv reset``) when the counter
     ``ROOT/counter/version`` is corrupt (not ASCII decimal) or lower than the round
-    record's version: the next round would then reuse the keys of an old one.
+    record's version (the next round would then reuse the keys of an old one), or the
+    round record cannot be read; ``degraded`` when a member of a frozen or final round
+    has no live keep-alive key; ``absent`` when nothing is stored for the run.
     """
-    kv, rdzv = _open(args.url)
-    with kv:
-        state = rdzv.describe()
-        state["counter"], shown, problem = _version_counter(kv, rdzv, state)
-        for member in state.get("alive", []):
-            _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
+    try:
+        kv, rdzv = _open(args.url)
+        with kv:
+            state = rdzv.describe()
+            state["counter"], shown, problem = _version_counter(kv, rdzv, state)
+            for member in state.get("alive", []):
+                _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
+    except (BackendUnavailable, RendezvousStateError, CorruptEntry) as exc:
+        if args.json:  # a probe reading --json gets the verdict too; main() prints the error line
+            verdict = "unreachable" if isinstance(exc, BackendUnavailable) else "corrupt"
+            print(json.dumps({"verdict": verdict, "error": f"{type(exc).__name__}: {exc}"}, indent=2))
+        raise
     state["problems"] = [problem] if problem else []
-    state["warnings"] = _status_warnings(state)
+    state["warnings"], degraded = _status_warnings(state)
+    absent = state.get("status") == "absent" and state.get("counter") is None
+    state["verdict"] = "corrupt" if problem else "degraded" if degraded else "absent" if absent else "healthy"
     if args.json:
         print(json.dumps(state, indent=2, default=str))
     else:
         _print_status(state, shown)
     if problem:
         print(f"rdzv: {problem}; {RESET_HINT}", file=sys.stderr)
-        return 1
-    return 0
+    return VERDICT_EXIT[state["verdict"]]
 
 
 def _version_counter(
@@ -133,27 +168,30 @@ def _keep_alive_age(kv: KVBackend, keep_alive_ttl: float, member: dict[str, Any]
         member["keep_alive_age"] = round(max(0.0, keep_alive_ttl - left), 3)
 
 
-def _status_warnings(state: dict[str, Any]) -> list[str]:
-    """``rdzv status``'s warnings: ranks of a frozen or final round without a live keep-alive key,
-    or a run with no state at all (``[]`` if neither).
+def _status_warnings(state: dict[str, Any]) -> tuple[list[str], bool]:
+    """``rdzv status``'s warnings and whether the round is degraded: ranks of a frozen or final round
+    without a live keep-alive key (degraded), or a run with no state at all (``([], False)`` if neither).
 
-    Transient, so not a problem (exit 0): a member that stalled writes its key again; one that
-    died does not, and a node waiting to join then destroys the round (see ``rdzv_core.rendezvous``).
+    Degraded even if transient (a member that stalled writes its key again; one that died does not,
+    and a node waiting to join then destroys the round, see ``rdzv_core.rendezvous``): a probe asks
+    again later.
     """
     if state.get("status") == "absent" and state.get("counter") is None:
         return ["nothing is stored for this run id at this URL: not started yet, reset, or a mistyped "
-                "URL or run id"]
+                "URL or run id"], False
     world = state.get("participants")
     if state.get("status") not in ("frozen", "final") or not isinstance(world, int):
-        return []
+        return [], False
     ranks = {m.get("rank") for m in state.get("alive", []) if "corrupt" not in m}
     missing = [r for r in range(world) if r not in ranks]
     if not missing:
-        return []
+        return [], False
     if len(missing) == world:
-        return [f"no member of round {state.get('version')} has a live keep-alive key: every node left or died"]
+        return [f"no member of round {state.get('version')} has a live keep-alive key: every node left or "
+                f"died"], True
     return [f"rank(s) {missing[:20]} of round {state.get('version')} have no live keep-alive key: those nodes "
-            f"died, left or stalled (a stalled one writes its key again; a node waiting to join destroys the round)"]
+            f"died, left or stalled (a stalled one writes its key again; a node waiting to join destroys the "
+            f"round)"], True
 
 
 def _print_status(state: dict[str, Any], counter: str) -> None:
@@ -163,6 +201,7 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
         if key in state:
             print(f"{key:<13} {state[key]}")
     print(f"{'counter':<13} {counter}")
+    print(f"{'verdict':<13} {state['verdict']}")
     for problem in state["problems"]:
         print(f"{'PROBLEM':<13} {problem}")
     for warning in state["warnings"]:
@@ -335,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except BackendUnavailable as exc:
         print(f"rdzv: {type(exc).__name__}: {exc} (is the server running and the URL right?)", file=sys.stderr)
-        return 1
+        return 3
     except RdzvError as exc:
         print(f"rdzv: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

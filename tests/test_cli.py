@@ -38,11 +38,11 @@ def test_status_close_reset_on_a_live_run(tmp_path) -> None:
     assert member.is_closed()
     assert _rdzv("reset", url, "--yes").returncode == 0
     after_reset = _rdzv("status", url, "--json")
-    assert after_reset.returncode == 0
+    assert after_reset.returncode == 1  # nothing stored: not healthy for a probe
     gone = json.loads(after_reset.stdout)
-    assert gone["status"] == "absent" and gone["counter"] is None
+    assert (gone["status"], gone["counter"], gone["verdict"]) == ("absent", None, "absent")
     assert len(gone["warnings"]) == 1, gone  # nothing stored: started yet? a typo in the URL or run id?
-    assert status["warnings"] == []  # a live run has none
+    assert status["warnings"] == [] and status["verdict"] == "healthy"  # a live run has none
     member.leave()
     kv.close()
 
@@ -74,7 +74,8 @@ def test_status_and_reset_survive_corrupt_state(tmp_path) -> None:
     kv.put(root + "/alive/rank_0", b"\xffnot json")
     status = json.loads(_rdzv("status", url, "--json").stdout)
     assert [m["key"] for m in status["alive"]] == [root + "/alive/rank_0"] and "corrupt" in status["alive"][0]
-    assert _rdzv("status", url).returncode == 0
+    assert status["verdict"] == "degraded"  # rank 0 has no live keep-alive record
+    assert _rdzv("status", url).returncode == 1
     kv.put(root + "/joined", b"many")
     out = _rdzv("status", url)
     assert out.returncode == 1
@@ -182,7 +183,8 @@ def test_started_with_stdout_closed_gives_no_traceback() -> None:
 
 
 def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> None:
-    """A final round whose member's keep-alive key is gone (died, left, stalled): a warning, exit status 0."""
+    """A final round whose member's keep-alive key is gone (died, left, stalled): a warning, verdict ``degraded``
+    and exit status 1 (table and --json), so that a monitoring probe sees it."""
     from rdzv_core.cli import main
 
     url = rdzv_url(keep_alive_ttl=30)
@@ -190,11 +192,14 @@ def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> N
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
     member.next_round()
     assert main(["status", url, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["warnings"] == []
+    healthy = json.loads(capsys.readouterr().out)
+    assert (healthy["warnings"], healthy["verdict"]) == ([], "healthy")
     member.leave()  # deletes its keep-alive key; the round record stays final
-    assert main(["status", url, "--json"]) == 0
+    assert main(["status", url, "--json"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["status"] == "final" and report["alive"] == [] and len(report["warnings"]) == 1
+    assert report["verdict"] == "degraded"
+    assert main(["status", url]) == 1
 
 
 def test_reset_of_a_live_run_names_the_live_members(tmp_path) -> None:
@@ -212,3 +217,30 @@ def test_reset_of_a_live_run_names_the_live_members(tmp_path) -> None:
     assert member.num_nodes_waiting() >= 1  # the member is told its round is gone
     member.leave()
     kv.close()
+
+
+def test_status_of_an_unreachable_backend_exits_3_with_the_verdict_in_json() -> None:
+    """Exit codes for a probe: 3 when the backend cannot be reached (1 is for an unhealthy run), --json saying so."""
+    from conformance_tests.servers import free_port
+
+    url = f"redis://127.0.0.1:{free_port()}/job?operation_timeout=2"  # nothing listens there
+    out = _rdzv("status", url, "--json")
+    assert out.returncode == 3, out.stderr
+    assert json.loads(out.stdout)["verdict"] == "unreachable"
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert _rdzv("status", url).returncode == 3
+    assert _rdzv("check", url.split("job")[0]).returncode == 3
+
+
+def test_backends_shows_default_ports_and_server_endpoints() -> None:
+    """Redis: agents on many hosts, but one server endpoint; the default ports are shown (6379, 2379)."""
+    rows = json.loads(_rdzv("backends", "--json").stdout)
+    assert (rows["redis"]["default_port"], rows["redis"]["server_endpoints"], rows["redis"]["multi_host"]) == \
+        (6379, "one", True)
+    for scheme in ("etcd", "etcd-v2", "etcd-v3"):
+        assert (rows[scheme]["default_port"], rows[scheme]["server_endpoints"]) == (2379, "many")
+    assert rows["file"]["default_port"] is None and rows["file"]["server_endpoints"] == "none"
+    table = _rdzv("backends")
+    assert table.returncode == 0
+    redis_row = next(line.split() for line in table.stdout.splitlines() if line.startswith("redis "))
+    assert redis_row[3:6] == ["6379", "yes", "one"], redis_row
