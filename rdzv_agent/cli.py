@@ -103,7 +103,7 @@ STATIC_DEFAULT_TIMEOUT = 600
 RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
 
 _SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*")
-_HOSTS = re.compile(r"[A-Za-z0-9_.\-:,\[\]]+")
+_HOSTS = re.compile(r"[A-Za-z0-9_.\-:,\[\]%]+")  # % only as an IPv6 zone: [fe80::1%25eth0]
 
 
 @dataclass(frozen=True)

@@ -312,11 +312,13 @@ class _ErrorMap:
     """How one server's redis-py errors become :mod:`rdzv_core.errors` (for a backend and its listener)."""
 
     def __init__(self, host: str, port: int, db: int, tls: TLSFiles | None, operation_timeout: float,
-                 max_connections: int, prefix: str) -> None:
+                 max_connections: int, prefix: str, username: str | None = None,
+                 password_given: bool = True) -> None:
         import redis
 
         self.errors = redis.exceptions
         self.host, self.port, self.db, self.tls = host, port, db, tls
+        self.username, self.password_given = username, password_given
         self.operation_timeout, self.max_connections, self.prefix = operation_timeout, max_connections, prefix
 
     def map(self, exc: Exception, key: str | None) -> RdzvError | None:
@@ -325,7 +327,12 @@ class _ErrorMap:
         where = f"redis at {self.host}:{self.port}"
         text = str(exc)
         if isinstance(exc, errors.AuthenticationError):
-            return InvalidURLError("password", "***", f"{where} rejected the user/password: {text}")
+            user = self.username if self.username is not None else "default"
+            if not self.password_given:
+                return InvalidURLError("password", None, f"{where} needs a password and the URL gives none (user "
+                                       f"{user!r}): write redis://[USER]:PASSWORD@HOST ({text})")
+            return InvalidURLError("password", "***", f"{where} rejected user {user!r} with the given password: "
+                                   f"{text}")
         if isinstance(exc, errors.TimeoutError):
             return BackendTimeout(f"{where} did not answer within operation_timeout={self.operation_timeout}s: "
                                   f"{text}", key)
@@ -435,7 +442,8 @@ class RedisBackend(KVBackend):
         from redis.retry import Retry
 
         self._errors = redis.exceptions
-        self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace))
+        self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace),
+                                 username, password is not None)
         self.host, self.port, self.db = host, port, db
         self.username = username
         self.namespace = namespace
@@ -752,7 +760,8 @@ def _open(url: RendezvousURL) -> RedisBackend:
     if len(url.hosts) != 1:
         raise InvalidURLError(
             "host", ",".join(f"{h}:{p}" for h, p in url.hosts),
-            "Redis takes one host (Sentinel and Cluster are not supported)",
+            "Redis takes one host: one server endpoint (Sentinel and Cluster are not supported; for a replicated "
+            "backend use etcd: README, 'High availability')",
         )
     try:
         import redis  # noqa: F401  (the client, imported only when a redis URL is opened)
@@ -801,6 +810,7 @@ plugin = backend_plugin(
         default_port=DEFAULT_PORT,
         query_keys=QUERY_KEYS,
         requires_host=True,
-        description="one Redis server (Lua scripts, stream log, server-side TTLs; rediss:// for TLS)",
+        description="agents on many hosts, one Redis server endpoint (Lua scripts, stream log, server-side TTLs; "
+                    "rediss:// for TLS)",
     )
 )

@@ -32,6 +32,7 @@ not import torch.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "BackendConnectionError",
     "BackendTimeout",
     "ConfigError",
+    "is_secret_field",
     "InvalidKeyError",
     "InvalidURLError",
     "UnknownBackendError",
@@ -150,17 +152,39 @@ class BackendTimeout(BackendUnavailable):
 #: Longest rendering (characters) of a rejected value in a :class:`ConfigError` message.
 MAX_SHOWN_CHARS = 120
 
+#: Words that make a field name a secret's (``password``, ``--redis-password``, ``api_key``, ``auth_token``).
+_SECRET_WORDS = frozenset({"password", "passwd", "pass", "pwd", "passphrase", "secret", "token", "apikey",
+                           "credential", "credentials", "auth"})
+
+
+def is_secret_field(name: object) -> bool:
+    """Whether a field (query key, option, argument) holds a secret, whose value is never shown.
+
+    One rule for every message: a word of the name (split at ``_``, ``-``, ``.``) is a password-like
+    word, or the name ends in ``api_key``/``private_key``/``access_key``/``secret_key``. A TLS ``key``
+    (a file path) is not a secret.
+    """
+    if not isinstance(name, str):
+        return False
+    words = [w for w in re.split(r"[_\-.\s]+", name.lower()) if w]
+    if any(w in _SECRET_WORDS or w.endswith(("password", "passwd", "secret", "token")) for w in words):
+        return True
+    return len(words) >= 2 and words[-1] == "key" and words[-2] in ("api", "private", "access", "secret")
+
 
 class ConfigError(RdzvError, ValueError):
     """Bad input. The message names the field and the offending value.
 
     Attributes:
         field: name of the setting, query key or argument (str).
-        value: the rejected value, already redacted where it is a secret.
+        value: the rejected value; ``"***"`` where the field is a secret (:func:`is_secret_field`),
+            ``None`` where none was given.
     """
 
     def __init__(self, field: str, value: Any, reason: str) -> None:
         self.field = field
+        if value is not None and is_secret_field(field):  # one rule: secrets' values are never shown
+            value = "***"
         self.value = value
         self.reason = reason
         shown = repr(value)

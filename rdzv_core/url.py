@@ -49,12 +49,24 @@ MAX_INT = 1_000_000
 MAX_SECONDS = 10_000_000.0
 
 
+#: What a numeric query value may look like: ASCII only, no ``_`` separators (``int``/``float`` accept
+#: ``" 1"``, ``"1_0"`` and non-ASCII digits: a value the user did not mean must not pass as a number).
+_INT_TEXT = re.compile(r"[+-]?[0-9]+")
+_FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def _check_number_text(field_name: str, raw: str) -> None:
+    """Refuse a numeric value with surrounding whitespace (``min_nodes=%201``), naming the field."""
+    if raw != raw.strip():
+        raise InvalidURLError(field_name, raw, "surrounding whitespace is not allowed in a number")
+
+
 def to_int(field_name: str, raw: str, minimum: int = 0, maximum: int = MAX_INT) -> int:
     """Convert a query value to an int in ``[minimum, maximum]`` or raise :class:`InvalidURLError`."""
-    try:
-        value = int(raw, 10)
-    except ValueError:
-        raise InvalidURLError(field_name, raw, "not an integer") from None
+    _check_number_text(field_name, raw)
+    if not _INT_TEXT.fullmatch(raw):
+        raise InvalidURLError(field_name, raw, "not an integer (ASCII digits, optionally signed)")
+    value = int(raw, 10)
     if value < minimum:
         raise InvalidURLError(field_name, raw, f"must be >= {minimum}")
     if value > maximum:
@@ -64,10 +76,10 @@ def to_int(field_name: str, raw: str, minimum: int = 0, maximum: int = MAX_INT) 
 
 def to_positive_float(field_name: str, raw: str) -> float:
     """Convert a query value to seconds in ``(0, MAX_SECONDS]`` or raise :class:`InvalidURLError`."""
-    try:
-        value = float(raw)
-    except ValueError:
-        raise InvalidURLError(field_name, raw, "not a number of seconds") from None
+    _check_number_text(field_name, raw)
+    if not _FLOAT_TEXT.fullmatch(raw):
+        raise InvalidURLError(field_name, raw, "not a number of seconds (ASCII decimal, e.g. 5 or 0.5 or 1e3)")
+    value = float(raw)
     if not (0 < value <= MAX_SECONDS):
         raise InvalidURLError(field_name, raw, f"must be a number of seconds > 0 and <= {MAX_SECONDS:g}")
     return value
@@ -177,8 +189,28 @@ class RendezvousURL:
 
 
 def _format_host(host: str, port: int | None) -> str:
-    shown = f"[{host}]" if ":" in host else host
+    shown = f"[{host.replace('%', '%25')}]" if ":" in host else host
     return shown if port is None else f"{shown}:{port}"
+
+
+_ZONE = re.compile(r"[A-Za-z0-9_.~\-]+")
+
+
+def _ipv6_host(item: str, text: str) -> str:
+    """The address inside ``[...]``: ``fe80::1`` or, with an RFC 6874 zone id, ``fe80::1%eth0``
+    (written ``[fe80::1%25eth0]``; the result is the form ``socket.getaddrinfo`` takes)."""
+    address, pct, zone = text.partition("%")
+    if not address or not all(c in "0123456789abcdefABCDEF:." for c in address) or ":" not in address:
+        raise InvalidURLError("host", item, "not an IPv6 address")
+    if not pct:
+        return address
+    if not zone.startswith("25"):
+        raise InvalidURLError("host", item, "an IPv6 zone id is written '%25' then the zone (RFC 6874): "
+                                            "[fe80::1%25eth0]")
+    if not _ZONE.fullmatch(zone[2:]):
+        raise InvalidURLError("host", item, "the IPv6 zone id after '%25' must be an interface name or number "
+                                            "(A-Z a-z 0-9 _ . ~ -)")
+    return f"{address}%{zone[2:]}"
 
 
 def _parse_host(item: str, default_port: int | None) -> tuple[str, int | None]:
@@ -186,9 +218,7 @@ def _parse_host(item: str, default_port: int | None) -> tuple[str, int | None]:
         end = item.find("]")
         if end < 0:
             raise InvalidURLError("host", item, "unterminated '[' in IPv6 address")
-        host, rest = item[1:end], item[end + 1 :]
-        if not host or not all(c in "0123456789abcdefABCDEF:." for c in host):
-            raise InvalidURLError("host", item, "not an IPv6 address")
+        host, rest = _ipv6_host(item, item[1:end]), item[end + 1 :]
         if rest and not rest.startswith(":"):
             raise InvalidURLError("host", item, "unexpected text after ']'")
         port_text = rest[1:] if rest else None
@@ -202,7 +232,7 @@ def _parse_host(item: str, default_port: int | None) -> tuple[str, int | None]:
         if port_text == "":
             raise InvalidURLError("port", item, "empty port")
         return host, default_port
-    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not re.fullmatch(r"[0-9]{1,5}", port_text) or not 0 < int(port_text) < 65536:  # ASCII: "٣".isdigit()
         raise InvalidURLError("port", port_text, "must be an integer 1..65535")
     return host, int(port_text)
 
@@ -312,17 +342,12 @@ def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:
         key = QUERY_ALIASES.get(raw_key, raw_key)
         if key not in table:
             valid = ", ".join(sorted(set(table) | set(QUERY_ALIASES)))
-            shown = "***" if _SECRET_KEY.search(raw_key) else raw_value
-            raise InvalidURLError(raw_key, shown, f"unknown query key (credentials go in the URL's user:password@); "
-                                                  f"valid keys: {valid}")
+            raise InvalidURLError(raw_key, raw_value, "unknown query key (credentials go in the URL's "
+                                                      f"user:password@); valid keys: {valid}")
         if key in params:
             raise InvalidURLError(raw_key, raw_value, "given more than once")
         params[key] = table[key](raw_key, raw_value)
     return params
-
-
-#: Query keys whose values are never echoed in errors (a user guessing ``?password=...``).
-_SECRET_KEY = re.compile(r"pass|secret|token|auth|cred|key$", re.IGNORECASE)
 
 
 def redact_text(url: str) -> str:

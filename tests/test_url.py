@@ -160,3 +160,66 @@ def test_malformed_percent_escapes_are_refused_naming_the_part(url: str, field: 
     assert info.value.field == field
     assert "hunter2" not in str(info.value)
     assert parse_url("redis://bob:100%25%20sure@h/run").password == "100% sure"
+
+
+def test_ipv6_zone_ids_are_parsed_as_rfc_6874_writes_them() -> None:
+    """``[fe80::1%25eth0]``: the host is ``fe80::1%eth0`` (what the socket layer takes), written back as given."""
+    u = parse_url("redis://[fe80::1%25eth0]:6380,[fe80::2%253]/run", default_port=6379)
+    assert u.hosts == (("fe80::1%eth0", 6380), ("fe80::2%3", 6379))
+    assert u.redacted() == "redis://[fe80::1%25eth0]:6380,[fe80::2%253]:6379/run"
+    assert parse_url(u.redacted()) == u
+
+
+def test_rdzv_endpoint_takes_an_ipv6_zone_id() -> None:
+    from rdzv_agent.cli import backend_url
+
+    url = backend_url("redis", "[fe80::1%25eth0]:6379", "job")
+    assert parse_url(url).hosts == (("fe80::1%eth0", 6379),)
+
+
+def _link_local_address() -> tuple[str, str] | None:
+    """``(address, interface)`` of a link-local IPv6 address of this host, or ``None``."""
+    try:
+        with open("/proc/net/if_inet6") as f:
+            rows = [line.split() for line in f]
+    except OSError:
+        return None
+    for hexaddr, _, _, scope, _, name in rows:
+        if scope == "20" and name != "lo":  # 0x20: link scope
+            import ipaddress
+
+            return str(ipaddress.IPv6Address(bytes.fromhex(hexaddr))), name
+    return None
+
+
+def test_ipv6_zone_ids_reach_real_servers() -> None:
+    """Redis, etcd v2 and etcd v3 each reached at ``[LINK-LOCAL%25IFACE]`` (the zone passed to the client)."""
+    import shutil
+
+    from conformance_tests.etcd_server import EtcdServer
+    from conformance_tests.redis_server import RedisServer
+    from conformance_tests.servers import ServerProcess
+    from rdzv_core import open_backend
+
+    found = _link_local_address()
+    if found is None:
+        pytest.skip("this host has no link-local IPv6 address")
+    address, iface = found
+    host = f"[{address}%25{iface}]"
+    redis_server = RedisServer(extra_args=("--bind", f"127.0.0.1 {address}%{iface}", "--protected-mode", "no"))
+    servers: list[tuple[ServerProcess, list[str]]] = [(redis_server, ["redis"])]
+    if shutil.which("etcd"):
+        etcd = EtcdServer()
+        # etcd cannot bind a zoned address: it listens on every address, the link-local one included
+        etcd.extra_args = ("--listen-client-urls", f"http://[::]:{etcd.port}")
+        servers.append((etcd, ["etcd", "etcd-v3"]))
+    for server, schemes in servers:
+        server.start()
+        try:
+            for scheme in schemes:
+                with open_backend(f"{scheme}://{host}:{server.port}/?operation_timeout=5") as kv:
+                    assert kv.put("zone/k", scheme.encode()).value == scheme.encode()
+                    entry = kv.get("zone/k")
+                    assert entry is not None and entry.value == scheme.encode()
+        finally:
+            server.stop()
