@@ -23,12 +23,24 @@ rdzv-memory           memory                 a keyspace name (one process only)
 ``keep_alive_ttl=2``, ``join_timeout`` = ``timeout``, ``cacert``, ...); torch's
 own keys that do not apply (``is_host``, ``close_timeout``, ``read_timeout``,
 ``keep_alive_interval``, ``keep_alive_max_attempt``) are accepted and ignored.
+
+Without ``--rdzv-id`` torch passes the run id ``none``, the same for every job:
+two unrelated jobs on one server (or one ``rdzv-file`` directory) would form one
+world, and a later job would find the run closed. So every handler but
+``rdzv-memory`` (one process: no other job can share its keyspace) takes the run
+id from the environment where a launcher or scheduler gives one, and logs which
+(:func:`derived_run_id`), else refuses ``none`` with an
+:class:`~rdzv_core.errors.InvalidURLError` on ``rdzv_id`` that says to pass
+``--rdzv-id``.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import InvalidURLError
 from .url import validate_run_id
@@ -36,7 +48,71 @@ from .url import validate_run_id
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["handler_url", "etcd", "etcd_v3", "redis", "file", "memory"]
+__all__ = ["handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "etcd", "etcd_v3", "redis",
+           "file", "memory"]
+
+log = logging.getLogger(__name__)
+
+#: The run id torchrun passes when ``--rdzv-id`` is not given.
+TORCH_DEFAULT_RUN_ID = "none"
+
+#: Where a run id comes from without ``--rdzv-id``, first found wins: ``(run id prefix, variables)``.
+#: Each names one job (and, for SLURM and LSF, one step / array element) and is the same on every
+#: node of it. TORCHELASTIC_RUN_ID is taken as given (a launcher's explicit choice).
+RUN_ID_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("", ("TORCHELASTIC_RUN_ID",)),
+    ("slurm-", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
+    ("pbs-", ("PBS_JOBID",)),
+    ("lsf-", ("LSB_JOBID", "LSB_JOBINDEX")),
+)
+
+#: Set by torch's agent in its workers' environment: a torchrun started by a worker inherits the
+#: parent job's ids, which would merge it into the parent's run.
+_WORKER_MARKER = "TORCHELASTIC_RESTART_COUNT"
+
+#: Schemes whose keyspace only this process sees: run id ``none`` cannot meet another job.
+_PROCESS_LOCAL = frozenset({"memory"})
+
+#: Values that say "no such thing": an LSF job outside an array has index 0; torch's own default id.
+_SKIP = {"LSB_JOBINDEX": "0", "TORCHELASTIC_RUN_ID": TORCH_DEFAULT_RUN_ID}
+
+_NOT_RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.\-=+:@~]")
+
+
+def derived_run_id(scheme: str, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The run id to use when torchrun was given no ``--rdzv-id``: ``(run id, where it came from)``.
+
+    Raises:
+        InvalidURLError: on ``rdzv_id`` when the environment names no job (or this process is a
+            torchelastic worker, whose job ids are its parent's), saying to pass ``--rdzv-id``; on the
+            variable when its value is not a run id.
+    """
+    env = os.environ if environ is None else environ
+    why = (f"torchrun was given no --rdzv-id, so every job gets the run id {TORCH_DEFAULT_RUN_ID!r}: unrelated jobs "
+           f"on the same rdzv-{scheme} endpoint would join one run (one world), and a job after a finished one would "
+           f"find the run closed. Pass --rdzv-id with a value unique to this job (the same on every node)")
+    if env.get(_WORKER_MARKER) is not None:
+        raise InvalidURLError("rdzv_id", TORCH_DEFAULT_RUN_ID, f"{why}; the job ids in this environment are "
+                              f"inherited from the torchelastic job that started this process ({_WORKER_MARKER} "
+                              f"is set), so none is derived from them")
+    for prefix, names in RUN_ID_SOURCES:
+        given = [n for n in names if env.get(n, "").strip() not in ("", _SKIP.get(n))]
+        if not given or given[0] != names[0]:
+            continue
+        first = env[names[0]].strip()
+        run_id = ".".join(env[n].strip() for n in given)
+        if prefix:  # a scheduler's id ("123[4].server"): made a run id; an explicit one is taken as given
+            run_id = prefix + _NOT_RUN_ID_CHARS.sub("_", run_id)
+        source = "/".join(given)
+        try:
+            validate_run_id(run_id)
+        except InvalidURLError as exc:
+            raise InvalidURLError(names[0], first,
+                                  f"cannot serve as the run id ({exc.reason}); pass --rdzv-id") from None
+        return run_id, source
+    sources = ", ".join(n for _, names in RUN_ID_SOURCES for n in names[:1])
+    raise InvalidURLError("rdzv_id", TORCH_DEFAULT_RUN_ID, f"{why} (or run under a scheduler that sets one of "
+                          f"{sources})")
 
 #: torch's rendezvous config keys that have no meaning here.
 IGNORED_TORCH_KEYS = frozenset({"is_host", "close_timeout", "read_timeout", "keep_alive_interval",
@@ -46,15 +122,22 @@ IGNORED_TORCH_KEYS = frozenset({"is_host", "close_timeout", "read_timeout", "kee
 def handler_url(scheme: str, params: "RendezvousParameters") -> str:
     """The rdzv URL equivalent to torchrun's ``RendezvousParameters`` for ``scheme``.
 
+    Run id ``none`` (no ``--rdzv-id``) becomes :func:`derived_run_id`'s, except for ``memory``.
+
     Raises:
         InvalidURLError: the endpoint is missing where the scheme needs one (``rdzv_endpoint``),
             or the run id is not one (``rdzv_id``: checked first, so that ``../x`` is not
-            read as a directory of the endpoint).
+            read as a directory of the endpoint), or is ``none`` and none can be derived.
     """
+    run_id = params.run_id
+    if run_id == TORCH_DEFAULT_RUN_ID and scheme not in _PROCESS_LOCAL:
+        run_id, source = derived_run_id(scheme)
+        log.warning("rdzv-%s: torchrun was given no --rdzv-id: run id %r from %s (the same on every node of this "
+                    "job; pass --rdzv-id to choose)", scheme, run_id, source)
     try:
-        validate_run_id(params.run_id)
+        validate_run_id(run_id)
     except InvalidURLError as exc:
-        raise InvalidURLError("rdzv_id", params.run_id, exc.reason) from None
+        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
     endpoint = (params.endpoint or "").strip()
     if scheme == "file":
         if not endpoint.startswith("/"):
@@ -74,7 +157,7 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
         if key in IGNORED_TORCH_KEYS or value is None:
             continue
         query[key] = value
-    return f"{scheme}://{netloc_path}/{params.run_id}?{urllib.parse.urlencode(query)}"
+    return f"{scheme}://{netloc_path}/{run_id}?{urllib.parse.urlencode(query)}"
 
 
 def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
