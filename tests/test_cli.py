@@ -10,6 +10,7 @@ import uuid
 import pytest
 
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
+from rdzv_core.rendezvous import round_segment
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
@@ -70,7 +71,7 @@ def test_status_and_reset_survive_corrupt_state(tmp_path) -> None:
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30))
     result = member.next_round()
     member.leave()
-    root = f"torchelastic/p2p/run_{run_id}/v_{result.version}"
+    root = f"torchelastic/p2p/run_{run_id}/{round_segment(result.version, result.round_id)}"
     kv.put(root + "/alive/rank_0", b"\xffnot json")
     status = json.loads(_rdzv("status", url, "--json").stdout)
     assert [m["key"] for m in status["alive"]] == [root + "/alive/rank_0"] and "corrupt" in status["alive"][0]
