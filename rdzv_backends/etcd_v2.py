@@ -61,6 +61,11 @@ Writes
     counters a TTL.) Concurrent ``add`` calls on one key through one backend
     object are combined into one write of their summed deltas
     (:class:`~rdzv_backends._etcd_common.AddCombiner`).
+Directories
+    v2 makes the directories of a key's path implicitly; ``delete`` and
+    ``compare_and_delete`` remove those the deleted key left empty (see
+    :meth:`EtcdV2Backend._prune`). Directories emptied by a TTL's expiry stay
+    until a later delete below them.
 Corrupt data
     Data at a key that this backend did not write raises
     :class:`~rdzv_core.errors.CorruptEntry` naming the key from every
@@ -194,7 +199,7 @@ _KEYS = "/v2/keys"
 _COUNTER_CACHE = 1024
 # v2 errorCodes (etcd Documentation/v2/errorcode.md)
 _KEY_NOT_FOUND, _COMPARE_FAILED, _NOT_FILE, _NOT_DIR, _NODE_EXISTS = 100, 101, 102, 104, 105
-_UNAUTHORIZED, _RAFT_INTERNAL, _LEADER_ELECT, _INDEX_CLEARED = 110, 300, 301, 401
+_DIR_NOT_EMPTY, _UNAUTHORIZED, _RAFT_INTERNAL, _LEADER_ELECT, _INDEX_CLEARED = 108, 110, 300, 301, 401
 # Causes of error 101 for a compare on prevValue and prevIndex (etcd's v2store getCompareFailCause).
 _INDEX_MOVED = re.compile(r"\[(\d+) != (\d+)\]")
 _BOTH_MOVED = re.compile(r"\[(\S*) != (.*)\] \[(\d+) != (\d+)\]", re.DOTALL)
@@ -740,9 +745,10 @@ class EtcdV2Backend(KVBackend):
         raise self._compare_error(answer, key, expected_revision)
 
     def _do_compare_and_delete(self, key: str, expected_revision: int) -> None:
-        tries = self._tries()
-        answer = self._call("DELETE", _node_path(key), {"prevIndex": str(expected_revision)}, self._deadline(), tries)
+        deadline, tries = self._deadline(), self._tries()
+        answer = self._call("DELETE", _node_path(key), {"prevIndex": str(expected_revision)}, deadline, tries)
         if answer.ok:
+            self._prune(key, deadline)
             return
         if tries.maybe_applied and not self._conflict_predates(answer, tries):
             raise may_have_applied(f"compare_and_delete({key!r})", key)
@@ -770,10 +776,31 @@ class EtcdV2Backend(KVBackend):
             self._delete_blocking(key, str(answer.body.get("cause", "")), deadline)
             return False
         if answer.ok:
+            self._prune(key, deadline)
             return True
         if answer.code == _KEY_NOT_FOUND:
             return False
         raise self._unexpected(answer, key)
+
+    def _prune(self, key: str, deadline: Deadline) -> None:
+        """After ``key`` was deleted, remove the directories on its path that it left empty (v2 makes them
+        implicitly, so each round left its own behind), deepest first, never the root.
+
+        ``DELETE ?dir=true`` removes only an EMPTY directory (errorCode 108 otherwise, which ends the walk), so a
+        key created in it concurrently is never lost: etcd applies one of the two first. Costs one request for
+        the first directory that still holds something; a failure only leaves an empty directory behind.
+        """
+        segments = _node_segments(key)[:-1]
+        while segments:
+            path = "".join("/" + urllib.parse.quote(s, safe="") for s in segments)
+            try:
+                answer = self._call("DELETE", path, {"dir": "true"}, deadline)
+            except (BackendUnavailable, BackendClosed) as exc:
+                log.debug("empty etcd v2 directory %s left behind: %s", path, exc)
+                return
+            if not answer.ok and answer.code != _KEY_NOT_FOUND:  # 108: not empty (or not ours to remove)
+                return
+            segments.pop()
 
     def _delete_blocking(self, key: str, node_key: str, deadline: Deadline) -> None:
         """Delete the value node ``node_key`` that stands where a directory of ``key``'s node path belongs."""

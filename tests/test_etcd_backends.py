@@ -722,6 +722,56 @@ def test_v2_non_base64_value_is_corrupt(etcd: EtcdServer, opener: Callable[[str]
     assert kv.delete(key) is True and kv.get(key) is None
 
 
+def _v2_empty_dirs(server: EtcdServer, node_dir: str) -> list[str]:
+    """The empty directories in the raw v2 tree below ``node_dir`` (``/a/b``), itself included."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.client_url}/v2/keys{node_dir}?recursive=true", timeout=10) as answer:
+        tree = json.loads(answer.read())["node"]
+
+    def walk(node: dict[str, object]) -> list[str]:
+        children = node.get("nodes") or []
+        assert isinstance(children, list)
+        empty = [str(node["key"])] if node.get("dir") and not children else []
+        return empty + [d for child in children for d in walk(child)]
+
+    return walk(tree)
+
+
+def test_v2_deletes_leave_no_empty_directory(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    from rdzv_core import Rendezvous, RendezvousParams
+
+    kv = opener(f"etcd-v2://{etcd.address}/")
+    member = Rendezvous(kv, "prune", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1,
+                                                      prefix="pruned"))
+    first = member.next_round()
+    second = member.next_round()  # leaves the first round: its keep-alive key is deleted
+    member.leave()
+    assert second.version > first.version
+    assert _v2_empty_dirs(etcd, "/pruned") == [], "a round's v_N/alive directory must go with its last key"
+    kv.put("pruned/deep/a/b/k", b"v")
+    kv.put("pruned/deep/other", b"v")
+    assert kv.delete("pruned/deep/a/b/k") is True
+    entry = kv.put("pruned/deep/c/k", b"v")
+    kv.compare_and_delete("pruned/deep/c/k", entry.revision)
+    assert _v2_empty_dirs(etcd, "/pruned") == []
+    assert kv.get("pruned/deep/other") is not None, "a directory that holds a key stays"
+
+    def churn() -> None:  # deletes that empty pruned/race/d (and prune it) while keys are created in it
+        for _ in range(50):
+            kv.put("pruned/race/d/churn", b"v")
+            kv.delete("pruned/race/d/churn")
+
+    def create() -> None:
+        for i in range(50):
+            kv.create(f"pruned/race/d/k{i}", b"v")
+
+    assert run_threads(2, lambda i: (churn, create)[i]()) == [None, None]
+    entries, _ = kv.list("pruned/race/d/")
+    assert [e.key for e in entries] == sorted(f"pruned/race/d/k{i}" for i in range(50)), "no created key is lost"
+
+
 def test_v2_value_node_on_the_path_of_a_key(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
     """A value node (another program's) where a directory of the key's node path belongs."""
     kv = opener(f"etcd-v2://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
