@@ -26,7 +26,10 @@ How it works
       ``kill -9``) mid-transaction leaves nothing behind — SQLite rolls the
       unfinished transaction back and the OS drops its locks. A power loss may
       lose the last commits, never corrupt the file. WAL needs shared memory:
-      the directory must be on a local file system (not NFS).
+      the directory must be on a local file system (not NFS). A new file is
+      switched to WAL by its first opener; processes opening it at once retry
+      that switch (SQLite answers a contested one ``SQLITE_BUSY`` without
+      calling its busy handler) until ``operation_timeout``.
     * **Revisions and events.** ``meta.revision`` is the keyspace-wide counter;
       every write adds exactly one row to ``events (revision, type, key, value)``,
       of which the last :data:`HISTORY_LIMIT` are served (older ones are deleted
@@ -392,9 +395,10 @@ class FileBackend(KVBackend):
     # -- plumbing ------------------------------------------------------------
     def _init_schema(self) -> None:
         with self._guard(), self._pool.connection() as conn:
-            if conn.execute("PRAGMA journal_mode = WAL").fetchone()[0].lower() != "wal":
-                raise KVError(f"{self.path!r}: could not switch SQLite to WAL mode")
-            with self._shared().locked(self.operation_timeout):
+            budget = call_budget(self.operation_timeout)
+            deadline = time.monotonic() + budget
+            with self._shared().locked(budget):  # the switch writes too: threads of this process queue here
+                _switch_to_wal(conn, self.path, deadline)
                 conn.execute("BEGIN IMMEDIATE")
                 for statement in _statements(_SCHEMA):  # not executescript(): it would COMMIT first
                     conn.execute(statement)
@@ -410,12 +414,13 @@ class FileBackend(KVBackend):
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:
         """Translate ``sqlite3`` errors into the :mod:`rdzv_core.errors` hierarchy."""
+        start = time.monotonic()
         try:
             yield
         except sqlite3.Error as exc:
             if self._closed and isinstance(exc, sqlite3.ProgrammingError):
                 raise BackendClosed(f"{self!r} is closed") from exc
-            raise _translate(exc, self.path, self.operation_timeout) from exc
+            raise _translate(exc, self.path, self.operation_timeout, time.monotonic() - start) from exc
 
     def _write(self, body: Callable[[_Txn], T], conn: sqlite3.Connection | None = None) -> T:
         """Run ``body`` in a write transaction (after purging expired keys); commit unless it raises."""
@@ -582,12 +587,53 @@ def _connect(path: str, timeout: float) -> sqlite3.Connection:
     return conn
 
 
-def _translate(exc: sqlite3.Error, path: str, timeout: float) -> KVError:
-    """The :mod:`rdzv_core.errors` exception for an ``sqlite3`` error on the store ``path``."""
+def _switch_to_wal(conn: sqlite3.Connection, path: str, deadline: float) -> None:
+    """``PRAGMA journal_mode = WAL`` on ``conn``, retried while another connection holds the file's lock.
+
+    A new (empty) file starts in rollback-journal mode, and the switch writes its header
+    under SQLite's exclusive lock, outside any transaction this module could queue for.
+    A connection whose switch finds another connection half-way through its own gets
+    ``SQLITE_BUSY`` at once: it already holds the read lock it would upgrade, so SQLite
+    does not call the busy handler (that wait could deadlock). So processes opening a
+    fresh directory together raced here, and the loser failed in a few milliseconds
+    (issue 14, item 9). Once one switch is done the file is in WAL mode and the pragma
+    is a read. Retried with a short back-off until ``deadline`` (``time.monotonic()``);
+    the last ``SQLITE_BUSY`` is raised after it.
+    """
+    delay = 0.001
+    while True:
+        try:
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            break
+        except sqlite3.OperationalError as exc:
+            if not _is_busy(exc) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    if str(mode).lower() != "wal":
+        raise KVError(f"{path!r}: could not switch SQLite to WAL mode (journal_mode is {mode!r})")
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is ``SQLITE_BUSY`` or ``SQLITE_LOCKED`` (by its text before Python 3.11)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if code is None:
+        return "locked" in str(exc) or "busy" in str(exc)
+    return code & 0xFF in _BUSY_CODES
+
+
+def _translate(exc: sqlite3.Error, path: str, timeout: float, waited: float | None = None) -> KVError:
+    """The :mod:`rdzv_core.errors` exception for an ``sqlite3`` error on the store ``path``
+    (``waited``: seconds the failed call took, if known)."""
     code = getattr(exc, "sqlite_errorcode", None)
     primary = None if code is None else code & 0xFF
     text = str(exc)
-    if primary in _BUSY_CODES or (primary is None and ("locked" in text or "busy" in text)):
+    if _is_busy(exc):
+        if waited is not None and waited < timeout / 2:  # SQLite gave up without waiting (no busy handler)
+            return BackendTimeout(
+                f"{path!r} was locked by another connection and SQLite gave up after {waited:.3f}s, "
+                f"without waiting for operation_timeout={timeout}s: {text}"
+            )
         return BackendTimeout(
             f"{path!r} stayed locked for more than operation_timeout={timeout}s "
             f"(another process holds a write transaction): {text}"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from rdzv_backends.file import DB_NAME, HISTORY_LIMIT, POLLER_LINGER, FileBackend
+from rdzv_backends.file import DB_NAME, HISTORY_LIMIT, POLLER_LINGER, FileBackend, _translate
 from rdzv_core import (
     BackendClosed,
     BackendTimeout,
@@ -111,6 +111,43 @@ def test_not_a_database(tmp_path: Path) -> None:
     with pytest.raises(CorruptEntry, match="not a database") as info:
         open_backend(url(tmp_path))
     assert info.value.key is None and str(tmp_path / DB_NAME) in str(info.value)
+
+
+@pytest.mark.parametrize("hold, timeout", [(0.5, 10.0), (3.0, 0.5)])
+def test_opening_a_fresh_file_waits_for_another_connections_first_write(
+    tmp_path: Path, hold: float, timeout: float
+) -> None:
+    """Issue 14, item 9: a new, empty store file is in rollback-journal mode, and an open whose
+    switch to WAL met another connection's first write (its RESERVED lock, as another opener's
+    switch holds it) raised BackendTimeout at once: SQLite skips the busy handler there. The open
+    now waits for it, for up to ``operation_timeout``, and only then says the file stayed locked."""
+    raw = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None, check_same_thread=False)
+    raw.execute("BEGIN IMMEDIATE")
+    timer = threading.Timer(hold, raw.execute, ("COMMIT",))
+    started = time.monotonic()
+    timer.start()
+    try:
+        if hold < timeout:
+            with open_backend(url(tmp_path, query=f"operation_timeout={timeout}")) as kv:
+                assert hold - 0.1 <= time.monotonic() - started < timeout
+                assert kv.put("k", b"v").revision == 1
+        else:
+            with pytest.raises(BackendTimeout, match=f"stayed locked for more than operation_timeout={timeout}s"):
+                open_backend(url(tmp_path, query=f"operation_timeout={timeout}"))
+            assert timeout - 0.1 <= time.monotonic() - started < hold
+    finally:
+        timer.join()
+        raw.close()
+
+
+def test_a_busy_error_that_did_not_wait_says_so() -> None:
+    """SQLite can answer SQLITE_BUSY without waiting (it skips the busy handler where the wait
+    could deadlock): the message then gives the time it took, not a wait it never made."""
+    exc = _translate(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 0.002)
+    assert isinstance(exc, BackendTimeout) and "gave up after 0.002s" in str(exc)
+    assert "stayed locked" not in str(exc)
+    slow = _translate(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 30.1)
+    assert "stayed locked for more than operation_timeout=30.0s" in str(slow)
 
 
 def test_two_processes_lose_no_increment(tmp_path: Path) -> None:
