@@ -309,12 +309,11 @@ def _bad_input_times(results: list[Result]) -> list[str]:
         return []
     rows = []
     for r in sorted(mine, key=lambda r: (r.test, r.backend, r.case)):
-        where = "/".join(x for x in (r.backend, r.case) if x) or "—"
         seconds = r.props.get("time_to_error_s", "—")
-        rows.append([r.props.get("bad_input", r.test[len(BAD_INPUT_PREFIX):].replace("_", " ")), where,
-                     _cell(r), seconds])
+        what = r.props.get("bad_input") or f"`{r.test}`" + (f" [{r.case}]" if r.case else "")
+        rows.append([what, r.backend or "—", _cell(r), seconds])
     return ["### Bad input: time to a clear error (`tests/test_bad_input*.py`)", ""] + _table(
-        ["input", "case", "outcome", "seconds to the error"], rows) + [""]
+        ["input", "backend", "outcome", "seconds to the error"], rows) + [""]
 
 
 def _splice(path: str, body: str) -> None:
