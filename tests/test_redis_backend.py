@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from conformance_tests.redis_server import RedisServer, RedisTLSServer
-from rdzv_backends.redis_backend import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
+from rdzv_backends.redis import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
