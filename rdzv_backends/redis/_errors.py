@@ -41,14 +41,13 @@ class _ErrorMap:
     def __init__(self, host: str, port: int, db: int, tls: TLSFiles | None, operation_timeout: float,
                  max_connections: int, prefix: str, username: str | None = None,
                  password_given: bool = True) -> None:
-        self.errors = redis.exceptions
         self.host, self.port, self.db, self.tls = host, port, db, tls
         self.username, self.password_given = username, password_given
         self.operation_timeout, self.max_connections, self.prefix = operation_timeout, max_connections, prefix
 
     def map(self, exc: Exception, key: str | None) -> RdzvError | None:
         """The error of :mod:`rdzv_core.errors` for a redis-py one (``None``: not redis-py's)."""
-        errors = self.errors
+        errors = redis.exceptions
         where = f"redis at {self.host}:{self.port}"
         text = str(exc)
         if isinstance(exc, errors.AuthenticationError):
@@ -85,7 +84,7 @@ class _ErrorMap:
         if isinstance(exc, errors.ResponseError) and "WRONGTYPE" in text:
             # Only where no check of ours ran first: some key of the namespace holds another type.
             return CorruptEntry(f"{where}: a Redis key of namespace {self.prefix!r} holds another type than "
-                                f"this backend wrote there ({text}); see the module docs, 'Corrupt storage'", None)
+                                f"this backend wrote there ({text}); see docs/backends/redis.md, 'Corrupt storage'", None)
         if isinstance(exc, errors.RedisError):
             return KVError(f"{where} answered with an error: {text}", key)
         return None

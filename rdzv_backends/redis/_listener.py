@@ -349,7 +349,7 @@ class _Notifier:
         with selectors.DefaultSelector() as selector:  # epoll: select() fails for descriptors >= 1024
             pair = self._wake_pair
             if pair is None or conn._sock is None:  # redis-py keeps the socket in _sock
-                raise self._errmap.errors.ConnectionError("the listener's connection was closed")
+                raise redis.exceptions.ConnectionError("the listener's connection was closed")
             selector.register(conn._sock, selectors.EVENT_READ)
             selector.register(pair[0], selectors.EVENT_READ)
             self._loop(conn, selector, pair[0])
@@ -393,7 +393,7 @@ class _Notifier:
                     if _before(self._due_since, now) and (self._deadline is None or self._deadline[0] < now):
                         self._deadline = (now, next_sweep)
             if pinged is not None and now - pinged > timeout:
-                raise self._errmap.errors.TimeoutError(f"no answer to PING within {timeout}s")
+                raise redis.exceptions.TimeoutError(f"no answer to PING within {timeout}s")
             if pinged is None and waiting and now - heard > timeout / 2:
                 conn.send_command("PING")
                 pinged = now

@@ -91,7 +91,6 @@ class RedisBackend(KVBackend):
         tls: TLSFiles | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
-        self._errors = redis.exceptions
         self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace),
                                  username, password is not None)
         self.host, self.port, self.db = host, port, db
@@ -184,7 +183,7 @@ class RedisBackend(KVBackend):
             if short and conn._sock is not None:
                 conn._sock.settimeout(self.operation_timeout)
             return reply
-        except self._errors.ResponseError:
+        except redis.exceptions.ResponseError:
             if short and conn._sock is not None:
                 conn._sock.settimeout(self.operation_timeout)
             raise  # an error reply: the connection is in step
@@ -200,7 +199,7 @@ class RedisBackend(KVBackend):
         with self._translate(key):
             try:
                 return self._call("EVALSHA", script.sha, len(keys), *keys, self.prefix, HISTORY_LIMIT, *args)
-            except self._errors.NoScriptError:  # a new or restarted server: load it, once per server
+            except redis.exceptions.NoScriptError:  # a new or restarted server: load it, once per server
                 self._call("SCRIPT", "LOAD", script.text)
                 return self._call("EVALSHA", script.sha, len(keys), *keys, self.prefix, HISTORY_LIMIT, *args)
 
@@ -220,7 +219,7 @@ class RedisBackend(KVBackend):
         with self._translate(key):
             try:
                 flat = cast("list[bytes]", self._call("HGETALL", self._data + key))
-            except self._errors.ResponseError as exc:
+            except redis.exceptions.ResponseError as exc:
                 if "WRONGTYPE" not in str(exc):
                     raise
                 raise self._errmap.corrupt(f"CORRUPT KEY {key} is not a hash") from None
