@@ -84,7 +84,8 @@ class _ErrorMap:
         if isinstance(exc, errors.ResponseError) and "WRONGTYPE" in text:
             # Only where no check of ours ran first: some key of the namespace holds another type.
             return CorruptEntry(f"{where}: a Redis key of namespace {self.prefix!r} holds another type than "
-                                f"this backend wrote there ({text}); see docs/backends/redis.md, 'Corrupt storage'", None)
+                                f"this backend wrote there ({text}); see docs/backends/redis.md, 'Corrupt storage'",
+                                None)
         if isinstance(exc, errors.RedisError):
             return KVError(f"{where} answered with an error: {text}", key)
         return None
