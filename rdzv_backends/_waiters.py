@@ -63,6 +63,11 @@ class WaiterRegistry(Generic[W]):
         self._count -= 1
         return True
 
+    def matching(self, key: str) -> Iterator[W]:
+        """The waiters an event on ``key`` concerns (do not add or discard while iterating)."""
+        for prefix in watch_prefixes(key):
+            yield from self._groups.get(prefix, ())
+
     def pop_matching(self, key: str) -> Iterator[W]:
         """Unregister and yield the waiters an event on ``key`` concerns."""
         for prefix in watch_prefixes(key):

@@ -31,7 +31,7 @@ from rdzv_backends.file._sql import (
     map_error,
 )
 from rdzv_core.errors import BackendTimeout, CorruptEntry, HistoryCompacted, KVError
-from rdzv_core.kv import Event, KVBackend, watch_prefixes
+from rdzv_core.kv import Event, KVBackend
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +188,9 @@ class _Poller:
     def _scan(self, conn: sqlite3.Connection, waiters: list[_Waiter]) -> None:
         """Read the events after the waiters' cursors once (one snapshot) and deliver them."""
         path = self._shared.path
-        by_prefix: dict[str, list[_Waiter]] = {}
+        by_prefix: WaiterRegistry[_Waiter] = WaiterRegistry()  # this poll's snapshot of the waiters
         for waiter in waiters:
-            by_prefix.setdefault(waiter.prefix, []).append(waiter)
+            by_prefix.add(waiter)
         conn.execute("BEGIN")
         try:
             revision = _meta_int(conn, "revision", path)
@@ -200,10 +200,9 @@ class _Poller:
             if live:
                 low = min(w.cursor for w in live)
                 for rev, key in conn.execute("SELECT revision, key FROM events WHERE revision > ?", (low,)):
-                    for prefix in watch_prefixes(key) if type(key) is str else ("",):
-                        for waiter in by_prefix.get(prefix, ()):
-                            if rev > waiter.cursor >= oldest:
-                                matched.setdefault(rev, []).append(waiter)
+                    for waiter in by_prefix.matching(key if type(key) is str else ""):
+                        if rev > waiter.cursor >= oldest:
+                            matched.setdefault(rev, []).append(waiter)
             rows = _events_by_revision(conn, sorted(matched))
             conn.execute("COMMIT")
         finally:
