@@ -214,7 +214,7 @@ def test_opening_memory_imports_no_other_backend() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
     assert "rdzv_backends.memory.backend" in loaded
-    clients = {"redis", "sqlite3", "_sqlite3"}
+    clients = {"redis", "sqlite3", "_sqlite3", "etcd", "etcd3", "grpc"}
     assert not loaded & clients, loaded & clients
     others = [m for m in loaded if m.startswith(("rdzv_backends.file.", "rdzv_backends.redis.", "redis."))]
     assert others == [], others

@@ -327,7 +327,7 @@ class FileBackend(KVBackend):
             if rev is None:  # the one row of an empty result
                 continue
             try:
-                events.append(_event(self.path, rev, type_, key, value))  # type: ignore[arg-type]
+                events.append(_event(self.path, rev, type_, key, value))
             except CorruptEntry:
                 if events:
                     return events, events[-1].revision  # the good ones first; the next watch raises
