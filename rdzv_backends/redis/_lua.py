@@ -3,8 +3,8 @@
 Every operation of :class:`~rdzv_backends.redis.backend.RedisBackend` that writes (and ``list``
 and the watch poll) is one of these scripts, run atomically by the server. Each script is
 :data:`_PRELUDE` (argument names, the sweep of due expiries, the helpers that log and publish
-events, type checks) followed by its body from :data:`_SCRIPTS`; the backend registers every
-``_PRELUDE + body`` once with redis-py's ``register_script`` and calls it by name. :data:`_SWEEP`
+events, type checks) followed by its body from :data:`_SCRIPTS`; the backend sends each
+``_PRELUDE + body`` by its SHA-1 (``EVALSHA``, then ``SCRIPT LOAD`` if the server lacks it). :data:`_SWEEP`
 is run by the pub/sub listener (:mod:`rdzv_backends.redis._listener`) only. The algorithms (layout,
 revisions, expiry, corrupt storage) are described in docs/backends/redis.md.
 This module holds text only: it imports nothing, so it loads without redis-py.
