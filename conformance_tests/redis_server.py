@@ -9,8 +9,7 @@ that was briefly away, not one that lost its data (a power loss could lose the
 last writes; tests do not pull the plug). ``appendfsync always`` would cost
 about 4 ms per write here. Pass ``appendonly=False``
 for a server that forgets everything on restart. ``--save ''`` turns RDB
-snapshots off; ``--notify-keyspace-events Ex`` is set for tools that listen
-for expiries (the Redis backend itself does not need it).
+snapshots off. No keyspace notifications: the Redis backend does not need them.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class RedisServer(ServerProcess):
         aof = ["--appendonly", "yes", "--appendfsync", "no"] if self.appendonly else ["--appendonly", "no"]
         return [
             exe, *self.port_args(), "--bind", self.host, "--save", "", *aof, "--dir", self.data_dir,
-            "--notify-keyspace-events", "Ex", "--daemonize", "no", "--logfile", "", *self.extra_args,
+            "--daemonize", "no", "--logfile", "", *self.extra_args,
         ]
 
     def connect(self, timeout: float = 0.5) -> socket.socket:

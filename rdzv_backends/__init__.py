@@ -1,16 +1,7 @@
-"""Built-in backends of ``rdzv``; each registers through the ``rdzv`` entry-point group.
-
-==================  =================================  ===========================================
-scheme              module                             client (extra)
-==================  =================================  ===========================================
-memory              :mod:`rdzv_backends.memory`         none (in-process)
-file                :mod:`rdzv_backends.file`           none (standard library ``sqlite3``)
-etcd, etcd-v2       :mod:`rdzv_backends.etcd_v2`        python-etcd (``rdzv[etcd-v2]``)
-etcd-v3, etcd3      :mod:`rdzv_backends.etcd_v3`        python3-etcd3 (``rdzv[etcd-v3]``)
-redis, rediss       :mod:`rdzv_backends.redis_backend`  redis-py (``rdzv[redis]``)
-==================  =================================  ===========================================
-
-Importing this package imports no backend client library.
+"""Built-in backends of ``rdzv``, each registered through the ``rdzv`` entry-point group like a plugin:
+``memory``, ``file`` (``sqlite3``), ``redis``/``rediss`` (redis-py, ``rdzv[redis]``) are packages whose
+``__init__`` is the registration; ``etcd-v2`` and ``etcd-v3`` are :mod:`.etcd_v2` and :mod:`.etcd_v3`.
+Importing this package imports no backend. How each works: docs/backends/.
 """
 
 __all__: list[str] = []

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from rdzv_backends.file import DB_NAME, HISTORY_LIMIT, POLLER_LINGER, FileBackend, _translate
+from rdzv_backends.file import DB_NAME, HISTORY_LIMIT, POLLER_LINGER, FileBackend
+from rdzv_backends.file._sql import map_error
 from rdzv_core import (
     BackendClosed,
     BackendTimeout,
@@ -143,10 +144,10 @@ def test_opening_a_fresh_file_waits_for_another_connections_first_write(
 def test_a_busy_error_that_did_not_wait_says_so() -> None:
     """SQLite can answer SQLITE_BUSY without waiting (it skips the busy handler where the wait
     could deadlock): the message then gives the time it took, not a wait it never made."""
-    exc = _translate(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 0.002)
+    exc = map_error(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 0.002)
     assert isinstance(exc, BackendTimeout) and "gave up after 0.002s" in str(exc)
     assert "stayed locked" not in str(exc)
-    slow = _translate(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 30.1)
+    slow = map_error(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 30.1)
     assert "stayed locked for more than operation_timeout=30.0s" in str(slow)
 
 
@@ -485,10 +486,10 @@ def poller_threads(directory: Path) -> list[threading.Thread]:
 
 def wait_for_poller_watches(count: int) -> None:
     """Block until the process's pollers hold ``count`` blocked watches (or fail after PATIENCE)."""
-    from rdzv_backends import file as file_module
+    from rdzv_backends.file import _watch
 
     deadline = time.monotonic() + PATIENCE
-    while sum(s.poller._count for s in file_module._SHARED.values()) < count:
+    while sum(s.poller._count for s in _watch._SHARED.values()) < count:
         assert time.monotonic() < deadline, f"fewer than {count} watches registered with the poller"
         time.sleep(0.005)
 

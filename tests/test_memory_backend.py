@@ -9,6 +9,8 @@ ends only the closed backend's watches.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -30,7 +32,7 @@ def name() -> str:
 
 def registered(kv: MemoryBackend) -> int:
     with kv._ks.lock:
-        return sum(len(group) for group in kv._ks.waiters.values())
+        return len(kv._ks.waiters)
 
 
 def wait_registered(kv: MemoryBackend, count: int) -> None:
@@ -199,3 +201,21 @@ def test_one_event_reaches_every_watch_of_its_prefix(name: str) -> None:
         watcher.join(max(deadline - time.monotonic(), 0.0))
         assert watcher.result == [Event(EventType.PUT, "same/k", entry.revision, b"v")], watcher.result
     kv.close()
+
+
+def test_opening_memory_imports_no_other_backend() -> None:
+    """``memory://`` imports its own implementation only: no client library, no implementation
+    module of the file or Redis backends (their packages' ``__init__`` is the registration)."""
+    code = (
+        "import sys, rdzv_core; rdzv_core.open_backend('memory://x/').close(); "
+        "print('\\n'.join(sorted(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    loaded = set(out.stdout.split())
+    assert "rdzv_backends.memory.backend" in loaded
+    clients = {"redis", "sqlite3", "_sqlite3", "etcd", "etcd3", "grpc"}
+    assert not loaded & clients, loaded & clients
+    others = [m for m in loaded if m.startswith(("rdzv_backends.file.", "rdzv_backends.redis.", "redis."))]
+    assert others == [], others
+

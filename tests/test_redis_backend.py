@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from conformance_tests.redis_server import RedisServer, RedisTLSServer
-from rdzv_backends.redis_backend import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
+from rdzv_backends.redis import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
@@ -1132,7 +1132,7 @@ ACL_RULES = ("resetkeys ~rdzv:* resetchannels &rdzv:* -@all +ping +evalsha +scri
 
 def test_acl_user_with_the_documented_rules(server: RedisServer, opened: Callable[[str], KVBackend],
                                             prefix: str) -> None:
-    """The rules in the module docstring are enough for every operation, and nothing outside ``rdzv:``."""
+    """The rules in docs/backends/redis.md are enough for every operation, and nothing outside ``rdzv:``."""
     user = "agent" + uuid.uuid4().hex[:6]
     raw(server, "ACL", "SETUSER", user, "on", ">s3cret-pw", *ACL_RULES)
     kv = opened(f"redis://{user}:s3cret-pw@{server.address}/run?namespace=acl")

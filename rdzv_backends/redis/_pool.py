@@ -1,7 +1,8 @@
-"""The connection pool of :mod:`rdzv_backends.redis_backend`: redis-py connections, used directly.
+"""The connection pool of :mod:`rdzv_backends.redis`: redis-py connections, used directly.
 
-Instead of redis-py's ``BlockingConnectionPool`` and client (see :class:`_Pool`);
-redis-py still speaks the protocol (its ``Connection`` objects parse the replies).
+Instead of redis-py's ``BlockingConnectionPool`` and client, whose per-call work costs more than
+the call with hundreds of threads (docs/backends/redis.md, "The connection pool"); redis-py still
+speaks the protocol (its ``Connection`` objects parse the replies).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 import weakref
 from typing import Any, Callable
 
+import redis
+
 #: Seconds between looks at the idle list by a call waiting for a connection (all max_connections busy).
 _POOL_RECHECK = 0.05
 
@@ -21,13 +24,8 @@ _POOL_RECHECK = 0.05
 class _Pool:
     """Connections of one backend: idle ones last-in first-out, at most ``limit``; a call waits up
     to ``timeout`` seconds for a free one (then redis-py's ``ConnectionError("No connection
-    available.")``, mapped to :class:`~rdzv_core.errors.BackendTimeout`).
-
-    Instead of redis-py's ``BlockingConnectionPool`` and client: with hundreds of threads per
-    process, their per-call work (metrics, deprecation checks, a queue per call, a pid check)
-    tripled the CPU of a call, most of it in lock hand-offs between threads (measured: 512
-    threads, 170-300 us of CPU per call through them, 50-100 us on a connection directly).
-    A forked child forgets the parent's connections (it must not share their sockets).
+    available.")``, mapped to :class:`~rdzv_core.errors.BackendTimeout`). A forked child forgets
+    the parent's connections (it must not share their sockets).
     """
 
     _all_pools: weakref.WeakSet[_Pool] = weakref.WeakSet()
@@ -62,7 +60,7 @@ class _Pool:
             deadline = None
             while True:
                 if self._closed:
-                    raise _redis_errors().ConnectionError("the backend is closed")
+                    raise redis.ConnectionError("the backend is closed")
                 if self._idle:
                     return self._idle.pop()
                 if len(self._made) < self._limit:
@@ -73,7 +71,7 @@ class _Pool:
                 if deadline is None:
                     deadline = now + (self._timeout if timeout is None else timeout)
                 if now >= deadline:
-                    raise _redis_errors().ConnectionError("No connection available.")
+                    raise redis.ConnectionError("No connection available.")
                 self._waiting += 1
                 try:  # a release does not take the lock: look again now and then
                     self._freed.wait(min(deadline - now, _POOL_RECHECK))
@@ -122,9 +120,3 @@ def _stale(sock: socket.socket) -> bool:
     poller = select.poll()
     poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(poller.poll(0))
-
-
-def _redis_errors() -> Any:
-    import redis
-
-    return redis.exceptions

@@ -1,17 +1,17 @@
-"""The Lua scripts of :mod:`rdzv_backends.redis_backend`: their text, names and arguments.
+"""The Lua scripts of :mod:`rdzv_backends.redis`: their text, names and arguments.
 
-Every operation of :class:`~rdzv_backends.redis_backend.RedisBackend` that writes (and ``list``
+Every operation of :class:`~rdzv_backends.redis.backend.RedisBackend` that writes (and ``list``
 and the watch poll) is one of these scripts, run atomically by the server. Each script is
 :data:`_PRELUDE` (argument names, the sweep of due expiries, the helpers that log and publish
-events, type checks) followed by its body from :data:`_SCRIPTS`; the backend registers every
-``_PRELUDE + body`` once with redis-py's ``register_script`` and calls it by name. :data:`_SWEEP`
-is run by the pub/sub listener (:mod:`rdzv_backends._redis_listener`) only. The algorithms (layout,
-revisions, expiry, corrupt storage) are described in :mod:`rdzv_backends.redis_backend`'s docstring.
+events, type checks) followed by its body from :data:`_SCRIPTS`; the backend sends each
+``_PRELUDE + body`` by its SHA-1 (``EVALSHA``, then ``SCRIPT LOAD`` if the server lacks it). :data:`_SWEEP`
+is run by the pub/sub listener (:mod:`rdzv_backends.redis._listener`) only. The algorithms (layout,
+revisions, expiry, corrupt storage) are described in docs/backends/redis.md.
 This module holds text only: it imports nothing, so it loads without redis-py.
 """
 
 #: Events kept in the log stream (``XADD ... MAXLEN ~``; Redis may keep a few more): every script's
-#: ARGV 2 (re-exported by :mod:`rdzv_backends.redis_backend`).
+#: ARGV 2 (re-exported by :mod:`rdzv_backends.redis`).
 HISTORY_LIMIT = 10_000
 #: The range of Redis integers (``INCRBY``, hence ``add``): 64-bit signed.
 _INT64 = (-(2**63), 2**63 - 1)

@@ -1,19 +1,10 @@
 """The watch poller of :mod:`rdzv_backends.file`, and what the backends of one process share per store file.
 
-Per process and store file there is one :class:`_Shared` (:func:`_shared`, keyed by the file's
-real path): the process-wide write lock that threads take before ``BEGIN IMMEDIATE``, and the
-:class:`_Poller` — the one thread that polls the SQLite file for every blocked ``watch`` of the
-process. ``FileBackend._do_watch`` registers a :class:`_Waiter` with it when its own first read
-found nothing; every committed write of the process pokes it (``_transaction``); the thread reads
-``meta.revision`` and the next expiry, purges due expiries, reads new events once for all waiters
-and wakes only those whose prefix they match (the algorithm is in :mod:`rdzv_backends.file`'s
-docstring, "Watch"). It exits :data:`POLLER_LINGER` seconds after its last waiter.
-
-After ``fork()`` the child forgets every :class:`_Shared` (the threads did not survive); the
-parent's SQLite connections go to :data:`_FORK_ORPHANS`, never used or closed in the child.
-
-:mod:`rdzv_backends.file` imports this module at its top; the poller uses that module's SQL
-helpers through imports inside its methods, so either module may be imported first.
+Per process and store file one :class:`_Shared` (:func:`_shared`, keyed by the file's real path):
+the write lock threads take before ``BEGIN IMMEDIATE`` (:meth:`_Shared.transaction`) and the
+:class:`_Poller`, the one thread that polls the file for every blocked ``watch`` of the process
+(docs/backends/file.md, "Watch"). A forked child forgets them; the parent's connections go to
+:data:`_FORK_ORPHANS`, never used or closed in the child.
 """
 
 from __future__ import annotations
@@ -24,13 +15,23 @@ import os
 import sqlite3
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import Callable, Iterator, TypeVar
 
+from rdzv_backends._waiters import Waiter, WaiterRegistry
+from rdzv_backends.file._sql import (
+    HISTORY_LIMIT,
+    WATCH_BATCH,
+    _compacted_message,
+    _connect,
+    _event,
+    _events_by_revision,
+    _meta_int,
+    _poll,
+    _Txn,
+    map_error,
+)
 from rdzv_core.errors import BackendTimeout, CorruptEntry, HistoryCompacted, KVError
-from rdzv_core.kv import Event, watch_prefixes
-
-if TYPE_CHECKING:
-    from rdzv_backends.file import FileBackend
+from rdzv_core.kv import Event, KVBackend
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +40,24 @@ POLL_MIN, POLL_MAX = 0.005, 0.05
 #: Seconds the watch poller thread waits for a new watch before it exits.
 POLLER_LINGER = 1.0
 
+T = TypeVar("T")
 
-class _Waiter:
+
+class _Waiter(Waiter):
     """One blocked ``watch`` registered with the poller.
 
-    ``cursor``: events up to this revision are known not to concern it (read and
-    written by the poller thread once registered). The poller fills ``events`` or
-    ``error`` (a ``(class, message, key)`` triple, raised by the watching thread)
-    under its condition, then sets ``done``.
+    ``cursor``: events up to this revision are known not to concern it (read and written by the
+    poller thread once registered). The poller fills ``events`` or ``error`` (a ``(class, message,
+    key)`` triple, raised by the watching thread) under its condition, then sets ``done``.
+    ``timeout``: the owner's ``operation_timeout`` (seconds).
     """
 
-    __slots__ = ("prefix", "cursor", "owner", "events", "error", "done")
+    __slots__ = ("cursor", "timeout", "error", "done")
 
-    def __init__(self, prefix: str, cursor: int, owner: "FileBackend") -> None:
-        self.prefix = prefix
+    def __init__(self, prefix: str, cursor: int, owner: KVBackend, timeout: float) -> None:
+        super().__init__(prefix, owner)
         self.cursor = cursor
-        self.owner = owner
-        self.events: list[Event] = []
+        self.timeout = timeout
         self.error: tuple[type[KVError], str, str | None] | None = None
         self.done = threading.Event()
 
@@ -66,18 +68,21 @@ class _Poller:
     def __init__(self, shared: "_Shared") -> None:
         self._shared = shared
         self._cond = threading.Condition()
-        self._waiters: dict[str, set[_Waiter]] = {}  # prefix -> waiters
-        self._count = 0
+        self._waiters: WaiterRegistry[_Waiter] = WaiterRegistry()
         self._poked = False
         self._thread: threading.Thread | None = None
         self.conn: sqlite3.Connection | None = None  # the poller thread's own
+
+    @property
+    def _count(self) -> int:
+        """Registered waiters (read without the lock by :meth:`poke` and tests)."""
+        return len(self._waiters)
 
     # -- called by watching / writing threads ------------------------------------------------
     def register(self, waiter: _Waiter) -> None:
         """Add ``waiter``; start the thread if none runs."""
         with self._cond:
-            self._waiters.setdefault(waiter.prefix, set()).add(waiter)
-            self._count += 1
+            self._waiters.add(waiter)
             if self._thread is None:
                 name = f"rdzv-file-poller {self._shared.path}"
                 self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -88,7 +93,7 @@ class _Poller:
     def unregister(self, waiter: _Waiter) -> None:
         """Remove ``waiter`` (no-op if the poller already finished it)."""
         with self._cond:
-            self._discard(waiter)
+            self._waiters.discard(waiter)
 
     def poke(self) -> None:
         """A write of this process committed: poll now rather than at the next tick."""
@@ -97,49 +102,29 @@ class _Poller:
                 self._poked = True
                 self._cond.notify()
 
-    def release(self, owner: "FileBackend") -> None:
+    def release(self, owner: KVBackend) -> None:
         """End the blocked watches of ``owner`` (it is being closed)."""
         with self._cond:
-            for group in self._waiters.values():
-                for waiter in group:
-                    if waiter.owner is owner:
-                        waiter.done.set()
+            for waiter in self._waiters.of_owner(owner):
+                waiter.done.set()
 
     # -- the poller thread -----------------------------------------------------------------------
-    def _discard(self, waiter: _Waiter) -> bool:
-        group = self._waiters.get(waiter.prefix)
-        if group is None or waiter not in group:
-            return False
-        group.discard(waiter)
-        if not group:
-            del self._waiters[waiter.prefix]
-        self._count -= 1
-        return True
-
     def _finish(self, waiter: _Waiter, events: list[Event], error: tuple[type[KVError], str, str | None] | None
                 ) -> bool:
         """Hand ``events`` or ``error`` to ``waiter`` and unregister it (call with ``_cond`` held);
         return whether it was still waiting. The caller wakes it."""
-        if self._discard(waiter):
+        if self._waiters.discard(waiter):
             waiter.events, waiter.error = events, error
             return True
         return False
 
     @staticmethod
     def _wake(finished: list[_Waiter]) -> None:
-        """Wake the ``finished`` watches.
-
-        (Unlike :mod:`rdzv_backends.memory`, all at once: a relay that wakes a few
-        at a time measured no better here at N = 1,024, where agents mostly wait
-        for SQLite's write lock rather than for the GIL, and two of its five
-        rounds took 18 and 22 s instead of 3-6 s.)
-        """
+        """Wake the ``finished`` watches, all at once (no relay as in memory://: docs/backends/file.md)."""
         for waiter in finished:
             waiter.done.set()
 
     def _run(self) -> None:
-        from rdzv_backends.file import _translate  # (file.py imports this module: see the module docstring)
-
         interval = POLL_MIN
         try:
             while True:
@@ -151,12 +136,12 @@ class _Poller:
                             self._thread = None
                             return
                     self._poked = False
-                    waiters = [w for group in self._waiters.values() for w in group]
-                timeout = min(w.owner.operation_timeout for w in waiters)
+                    waiters = list(self._waiters)
+                timeout = min(w.timeout for w in waiters)
                 try:
                     changed, next_expiry = self._tick(waiters, timeout)
                 except (sqlite3.Error, KVError) as exc:
-                    error = exc if isinstance(exc, KVError) else _translate(exc, self._shared.path, timeout)
+                    error = exc if isinstance(exc, KVError) else map_error(exc, self._shared.path, timeout)
                     log.debug("watch poller of %s: %s", self._shared.path, error)
                     with self._cond:
                         self._wake([w for w in waiters if self._finish(w, [], (type(error), str(error), error.key))])
@@ -175,7 +160,7 @@ class _Poller:
                 self._close_conn()
                 self._thread = None
                 failure = (KVError, f"watch poller of {self._shared.path!r} failed: {exc!r}", None)
-                stranded = [w for group in self._waiters.values() for w in group]
+                stranded = list(self._waiters)
                 self._wake([w for w in stranded if self._finish(w, [], failure)])
             raise
 
@@ -187,15 +172,13 @@ class _Poller:
 
     def _tick(self, waiters: list[_Waiter], timeout: float) -> tuple[bool, float | None]:
         """One poll: purge due expiries, deliver new events; return (revision moved, next expiry)."""
-        from rdzv_backends.file import _connect, _poll, _transaction
-
         path = self._shared.path
         if self.conn is None:
             self.conn = _connect(path, timeout)
         conn = self.conn
         revision, next_expiry = _poll(conn, path)
         if next_expiry is not None and next_expiry <= time.time():
-            _transaction(conn, self._shared, timeout, lambda txn: None)  # purges, emitting DELETE events
+            self._shared.transaction(conn, timeout, lambda txn: None)  # purges, emitting DELETE events
             revision, next_expiry = _poll(conn, path)
         if revision <= min(w.cursor for w in waiters):
             return False, next_expiry
@@ -204,19 +187,10 @@ class _Poller:
 
     def _scan(self, conn: sqlite3.Connection, waiters: list[_Waiter]) -> None:
         """Read the events after the waiters' cursors once (one snapshot) and deliver them."""
-        from rdzv_backends.file import (
-            HISTORY_LIMIT,
-            WATCH_BATCH,
-            _compacted_message,
-            _event,
-            _events_by_revision,
-            _meta_int,
-        )
-
         path = self._shared.path
-        by_prefix: dict[str, list[_Waiter]] = {}
+        by_prefix: WaiterRegistry[_Waiter] = WaiterRegistry()  # this poll's snapshot of the waiters
         for waiter in waiters:
-            by_prefix.setdefault(waiter.prefix, []).append(waiter)
+            by_prefix.add(waiter)
         conn.execute("BEGIN")
         try:
             revision = _meta_int(conn, "revision", path)
@@ -226,10 +200,9 @@ class _Poller:
             if live:
                 low = min(w.cursor for w in live)
                 for rev, key in conn.execute("SELECT revision, key FROM events WHERE revision > ?", (low,)):
-                    for prefix in watch_prefixes(key) if type(key) is str else ("",):
-                        for waiter in by_prefix.get(prefix, ()):
-                            if rev > waiter.cursor >= oldest:
-                                matched.setdefault(rev, []).append(waiter)
+                    for waiter in by_prefix.matching(key if type(key) is str else ""):
+                        if rev > waiter.cursor >= oldest:
+                            matched.setdefault(rev, []).append(waiter)
             rows = _events_by_revision(conn, sorted(matched))
             conn.execute("COMMIT")
         finally:
@@ -285,6 +258,27 @@ class _Shared:
             yield
         finally:
             self.lock.release()
+
+    def transaction(self, conn: sqlite3.Connection, timeout: float, body: Callable[[_Txn], T]) -> T:
+        """Run ``body`` in a write transaction on ``conn`` (after purging expired keys) under the
+        write lock; commit unless it raises, then poke the poller.
+
+        Raises ``sqlite3.Error`` untranslated (callers translate) and :class:`BackendTimeout`.
+        """
+        with self.locked(timeout):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                txn = _Txn(conn, self.path)
+                txn.purge_expired()
+                result = body(txn)
+                txn.finish()
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.rollback()
+                raise
+        self.poller.poke()
+        return result
 
 
 _SHARED: dict[str, _Shared] = {}  # realpath of the store file -> its _Shared

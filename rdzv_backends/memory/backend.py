@@ -1,39 +1,8 @@
-"""``memory://[NAME]/RUN_ID`` — an in-process, thread-safe backend.
+"""The in-process keyspace of ``memory://`` (:class:`MemoryBackend`); how it works: docs/backends/memory.md.
 
-For tests and large simulations (thousands of agents as threads in one
-process). Every :class:`MemoryBackend` opened with the same ``NAME`` (default
-``default``) in one process shares one keyspace. TTLs use ``time.monotonic``.
-
-How a watch waits
-    Under the keyspace's one lock, a watch first filters the history after its
-    ``after_revision``; if nothing matches it registers a *waiter* under its
-    prefix and sleeps on a gate of its own (a bare lock). Every recorded event
-    is delivered to the waiters registered under one of the key's prefixes
-    (``""``, ``"a/"``, ``"a/b/"`` for key ``"a/b/c"``: a dict lookup each), which
-    are unregistered and, once the writer has released the keyspace lock, woken
-    (at most :data:`WAKE_TOKENS` at once, the rest in a relay; see :class:`_Guard`);
-    nobody else wakes. So an event costs O(key depth + matching watchers), not
-    O(all watchers); a woken watcher returns the event it was handed without
-    rescanning the history or taking the keyspace lock again (a thousand
-    watchers woken by one event do not queue for that lock).
-Reads
-    ``list`` bisects a sorted index of the keys (O(log n + found), not a scan of
-    the keyspace). ``get`` of a key that needs no expiry takes no lock: one dict
-    lookup, atomic in CPython, and writers replace a key's tuple in one
-    assignment (the moment that write takes effect for readers).
-Expiry
-    Every operation that takes the keyspace lock deletes expired keys first
-    (each with a ``DELETE`` event and a fresh revision); so does a ``get`` that
-    finds its key expired. While watches wait, exactly one of
-    them — the *timekeeper* — also sleeps no later than the next expiry, runs
-    the expiry, and hands the role to another waiter when it leaves; a write
-    whose expiry becomes the earliest wakes it. So an expired key produces its
-    ``DELETE`` event when it expires, not when next read, and only one thread
-    wakes for it. Refreshed keys leave stale heap entries behind; they are
-    dropped lazily, without waking anyone.
-
-The event history keeps the last :data:`HISTORY_LIMIT` events; a watch from an
-older revision raises :class:`~rdzv_core.errors.HistoryCompacted`.
+One lock per named keyspace; watches wait on gates of their own, indexed by prefix
+(:mod:`rdzv_backends._waiters`), woken a few at a time by a relay (:class:`_Guard`); one waiting
+watch keeps time for TTL expiry. The last :data:`HISTORY_LIMIT` events are kept.
 """
 
 from __future__ import annotations
@@ -45,12 +14,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from rdzv_core.errors import CompareFailed, HistoryCompacted, InvalidURLError, KeyExists, KeyNotFound
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter, watch_prefixes
-from rdzv_core.plugins import BackendSpec, backend_plugin
-from rdzv_core.url import RendezvousURL
+from rdzv_backends._waiters import Waiter, WaiterRegistry
+from rdzv_backends.memory import CAPABILITIES
+from rdzv_core.errors import CompareFailed, HistoryCompacted, KeyExists, KeyNotFound
+from rdzv_core.kv import Entry, Event, EventType, KVBackend, parse_counter
 
-__all__ = ["MemoryBackend", "HISTORY_LIMIT", "WATCH_BATCH", "WAKE_TOKENS", "plugin"]
+__all__ = ["MemoryBackend", "HISTORY_LIMIT", "WATCH_BATCH", "WAKE_TOKENS"]
 
 #: Events kept for watchers (the count etcd v2 keeps, too).
 HISTORY_LIMIT = 10_000
@@ -60,29 +29,19 @@ WATCH_BATCH = 1000
 WAKE_TOKENS = 4
 
 
-class _Waiter:
-    """One blocked ``watch``: its prefix, the event delivered to it, and its own gate.
+class _Waiter(Waiter):
+    """One blocked ``watch``: the event delivered to it, and its own gate.
 
-    The thread that records a matching event (holding the keyspace lock) appends it
-    to ``events``, unregisters the waiter and sets ``delivered``; the gate is opened
-    once that thread has released the keyspace lock (see :class:`_Guard`). So a
-    woken watch returns without taking the keyspace lock again, and does not wake
-    into a lock its waker still holds. The gate is also opened to end a wait early
-    (timekeeping, close) with nothing delivered; the watch then re-checks under
-    the lock.
-
-    The gate is a bare lock, locked while closed (cheaper than ``threading.Event``,
-    which builds a ``Condition`` in Python). Every gate operation is one call of
-    the C lock, so they need no lock of their own; at worst a waiter wakes once
-    for nothing.
+    The thread that records a matching event (holding the keyspace lock) appends it to
+    ``events``, unregisters the waiter and sets ``delivered``; the gate (a bare lock, locked
+    while closed) is opened once that thread has released the keyspace lock (:class:`_Guard`).
+    It is also opened to end a wait early (timekeeping, close); the watch then re-checks.
     """
 
-    __slots__ = ("prefix", "owner", "events", "delivered", "_gate", "chain")
+    __slots__ = ("delivered", "_gate", "chain")
 
-    def __init__(self, prefix: str, owner: "MemoryBackend") -> None:
-        self.prefix = prefix
-        self.owner = owner
-        self.events: list[Event] = []
+    def __init__(self, prefix: str, owner: MemoryBackend) -> None:
+        super().__init__(prefix, owner)
         self.delivered = False
         self.chain: collections.deque[_Waiter] | None = None
         self._gate = threading.Lock()
@@ -105,19 +64,10 @@ class _Waiter:
 
 
 class _Guard:
-    """``with keyspace.guard:`` holds the keyspace lock (not re-entrant); on exit it
-    releases the lock first, then opens the gates of the waiters woken meanwhile.
-
-    The watches handed an event while the lock was held form a relay (the deque
-    ``relay``; each knows it as ``chain`` from the moment it is handed the
-    event): only :data:`WAKE_TOKENS` of their gates are opened here, and every
-    watch leaving with an event opens the next gate of its relay. So
-    the thousand watches of one rendezvous round woken by one record change run
-    a few at a time instead of all competing for the GIL at once (which made
-    CPython switch threads every few bytecodes: five times the context switches
-    and twice the time at N = 1,024). A relay cannot stall: every watch handed an
-    event passes one token on when it leaves, whether a token or its deadline
-    woke it.
+    """``with keyspace.guard:`` holds the keyspace lock (not re-entrant); on exit it releases
+    the lock first, then opens the gates of the waiters woken meanwhile: those handed an event
+    form a relay, of which only :data:`WAKE_TOKENS` gates open here; every watch leaving with an
+    event opens the next (docs/backends/memory.md, "The wake-up relay").
     """
 
     __slots__ = ("_ks",)
@@ -160,7 +110,7 @@ class _Keyspace:
     revision: int = 0
     history: list[Event] = field(default_factory=list)
     expiries: list[tuple[float, str]] = field(default_factory=list)  # heap of (expires_at, key), stale ones too
-    waiters: dict[str, set[_Waiter]] = field(default_factory=dict)  # prefix -> blocked watches
+    waiters: WaiterRegistry[_Waiter] = field(default_factory=WaiterRegistry)  # blocked watches
     timekeeper: _Waiter | None = None  # the waiter that sleeps until the next expiry
     woken: list[_Waiter] = field(default_factory=list)  # gates to open once the lock is released
     relay: collections.deque[_Waiter] | None = None  # watches handed an event under the lock now held
@@ -180,19 +130,15 @@ class _Keyspace:
             del self.history[: len(self.history) - HISTORY_LIMIT]
         if not self.waiters:
             return
-        for prefix in watch_prefixes(event.key):
-            group = self.waiters.pop(prefix, None)
-            if group is None:
-                continue
+        for waiter in self.waiters.pop_matching(event.key):
             if self.relay is None:
                 self.relay = collections.deque()
-            for waiter in group:
-                waiter.events.append(event)
-                waiter.chain = self.relay  # before ``delivered``: a watch that sees that passes a token on
-                waiter.delivered = True
-                self.relay.append(waiter)
-                if waiter is self.timekeeper:
-                    self._hand_off_timekeeping()
+            waiter.events.append(event)
+            waiter.chain = self.relay  # before ``delivered``: a watch that sees that passes a token on
+            waiter.delivered = True
+            self.relay.append(waiter)
+            if waiter is self.timekeeper:
+                self._hand_off_timekeeping()
 
     def next_expiry(self) -> float | None:
         """The earliest live expiry (``time.monotonic`` seconds); drops stale heap entries."""
@@ -262,35 +208,25 @@ class _Keyspace:
         return item
 
     def add_waiter(self, waiter: _Waiter) -> None:
-        self.waiters.setdefault(waiter.prefix, set()).add(waiter)
+        self.waiters.add(waiter)
         if self.timekeeper is None:
             self.timekeeper = waiter
 
     def remove_waiter(self, waiter: _Waiter) -> None:
         """Unregister ``waiter`` (if still registered); hand its timekeeping on."""
-        group = self.waiters.get(waiter.prefix)
-        if group is not None:
-            group.discard(waiter)
-            if not group:
-                del self.waiters[waiter.prefix]
+        self.waiters.discard(waiter)
         if self.timekeeper is waiter:
             self._hand_off_timekeeping()
 
     def _hand_off_timekeeping(self) -> None:
         """The timekeeper leaves: make another waiter the timekeeper and wake it to time its sleep."""
-        self.timekeeper = None
-        for group in self.waiters.values():
-            for waiter in group:
-                self.timekeeper = waiter
-                self.woken.append(waiter)
-                return
+        self.timekeeper = self.waiters.first()
+        if self.timekeeper is not None:
+            self.woken.append(self.timekeeper)
 
     def wake_owner(self, owner: "MemoryBackend") -> None:
         """Wake the waiters of ``owner`` (it is being closed)."""
-        for group in self.waiters.values():
-            for waiter in group:
-                if waiter.owner is owner:
-                    self.woken.append(waiter)
+        self.woken.extend(self.waiters.of_owner(owner))
 
 
 _KEYSPACES: dict[str, _Keyspace] = {}
@@ -298,16 +234,13 @@ _KEYSPACES_LOCK = threading.Lock()
 
 
 class MemoryBackend(KVBackend):
-    """In-process backend; see the module docstring.
+    """In-process backend (docs/backends/memory.md).
 
     Args:
         name: the keyspace name; backends with the same name share data (str).
     """
 
-    capabilities = Capabilities(
-        multi_host=False, server_side_ttl=False, native_watch=True, persistent=False, multi_process=False,
-        ttl_resolution=0.05
-    )
+    capabilities = CAPABILITIES
 
     def __init__(self, name: str = "default") -> None:
         with _KEYSPACES_LOCK:
@@ -454,20 +387,3 @@ def _remaining(expires: float | None) -> float | None:
     if expires is None:
         return None
     return max(expires - time.monotonic(), 1e-3)
-
-
-def _open(url: RendezvousURL) -> MemoryBackend:
-    if len(url.hosts) > 1:
-        raise InvalidURLError("host", url.redacted(), "memory:// takes at most one keyspace name")
-    return MemoryBackend(url.hosts[0][0] if url.hosts else "default")
-
-
-#: Registers ``memory://`` through the ``rdzv`` entry point, like any plugin.
-plugin = backend_plugin(
-    BackendSpec(
-        schemes=("memory",),
-        open=_open,
-        capabilities=MemoryBackend.capabilities,
-        description="in-process keyspace shared by name (tests, simulations)",
-    )
-)

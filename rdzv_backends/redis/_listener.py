@@ -1,18 +1,11 @@
-"""The pub/sub listener of :mod:`rdzv_backends.redis_backend`: how waiting watches are woken.
+"""The pub/sub listener of :mod:`rdzv_backends.redis`: how waiting watches are woken.
 
-:class:`_Notifier` is one per process and connection settings (server, database, user, TLS
-files, namespace, ``operation_timeout``), shared and reference-counted by the
-:class:`~rdzv_backends.redis_backend.RedisBackend` objects that use it (``_Notifier.of`` when a
-backend opens, ``release`` when it closes). It runs one thread with a connection of its own,
-subscribed to ``NS#w:PREFIX`` for each watched prefix (a :class:`_Channel`) and to ``NS#t``;
-each message wakes the :class:`_Waiter` objects (one per blocked ``watch`` call) of its channel
-whose revision it passes, handing them the event it carries (if it does), and the thread sweeps
-due TTL expiries (the ``sweep`` script of
-:mod:`rdzv_backends._redis_lua`) while any watch waits. ``RedisBackend._do_watch`` drives it:
-``begin`` before its first poll, ``add`` after it, ``covers``/``take_hint`` to decide where to
-poll, ``remove`` when done. The protocol (why no event is missed, when the log is not rescanned)
-is described in :mod:`rdzv_backends.redis_backend`'s docstring and in :class:`_Notifier`'s.
-redis-py is imported only when a notifier is created.
+One :class:`_Notifier` per process and connection settings, shared and reference-counted by
+the backends that use it: a thread with a connection of its own, subscribed to the channel of
+each watched prefix, that wakes the :class:`_Waiter` objects of a channel whose revision a
+message passes, and sweeps due TTL expiries while any watch waits. ``RedisBackend._do_watch``
+drives it (``begin``, ``add``, ``covers``/``take_hint``, ``remove``); why no event is missed:
+docs/backends/redis.md, "Watch" and "The listener".
 """
 
 from __future__ import annotations
@@ -20,27 +13,18 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import selectors
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from rdzv_backends._redis_lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
-from rdzv_core.errors import (
-    BackendClosed,
-    BackendConnectionError,
-    BackendTimeout,
-    CorruptEntry,
-    InvalidKeyError,
-    KVError,
-    RdzvError,
-)
-from rdzv_core.kv import Event, EventType, check_key
+import redis
 
-if TYPE_CHECKING:
-    from rdzv_backends.redis_backend import RedisBackend
+from rdzv_backends.redis._errors import _copy_error, _ErrorMap
+from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
+from rdzv_core.errors import BackendClosed, BackendConnectionError, BackendTimeout, InvalidKeyError, RdzvError
+from rdzv_core.kv import Event, EventType, KVBackend, check_key
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +39,7 @@ class _Waiter:
 
     __slots__ = ("owner", "channel", "after", "hint", "heard", "wake", "error")
 
-    def __init__(self, owner: RedisBackend, channel: _Channel, after: int) -> None:
+    def __init__(self, owner: KVBackend, channel: _Channel, after: int) -> None:
         self.owner = owner
         self.channel = channel
         self.after = after
@@ -85,61 +69,45 @@ class _Channel:
 
 
 class _Notifier:
-    """The pub/sub listener of the :class:`RedisBackend` objects of one process that share a
+    """The pub/sub listener of the ``RedisBackend`` objects of one process that share a
     server, database, user, TLS files, namespace and ``operation_timeout`` (:meth:`of`): a thread
-    that wakes matching waiters. Reference-counted by its backends; the last :meth:`release` ends it.
-
-    The thread owns a connection of its own (not from a pool) subscribed to ``NS#t`` and to
-    ``NS#w:PREFIX`` for every prefix being watched; the write scripts publish each event's
-    revision to every prefix of its key. A message wakes the waiters of its channel whose
-    ``after`` is below the revision; nothing else wakes them. While any waiter exists, the
-    thread also sweeps at the next TTL deadline (the ``sweep`` script returns it; ``NS#t`` says
-    when a write made an earlier one), so expiries are recorded, published and seen. Sweeps run
-    on a client of its own (two pooled connections), since any backend may be closed first.
-
-    A watch asks for its channel (:meth:`begin`) before its first poll and registers a waiter
-    (:meth:`add`) after it: if the subscription took effect before that poll began, every later
-    event reaches the waiter (and one heard meanwhile is detected by ``last_rev``); otherwise
-    the watch polls once more after the subscription. A channel's ``covered_from`` (set by
-    :meth:`covers` after such a poll, or by the thread's sweep after subscribing) lets
-    :meth:`begin` register a watch at once and say where (whether) it must poll; a waiter's
-    ``hint`` (:meth:`take_hint`) says where to poll after a wake-up.
-    The thread pings the server when it heard nothing for ``operation_timeout / 2`` and fails
-    every waiter with the mapped error when the connection breaks or stays silent for
-    ``operation_timeout``; it exits after :data:`_LISTENER_IDLE` seconds without waiters (a
-    later watch starts it again). Channels without waiters for as long are unsubscribed.
+    that wakes the waiters of a channel when a message passes their revision, and sweeps due TTL
+    expiries while any waits (docs/backends/redis.md, "The listener"). Reference-counted by its
+    backends; the last :meth:`release` ends it; the thread exits after :data:`_LISTENER_IDLE`
+    seconds without waiters.
     """
 
     _shared: dict[tuple[Any, ...], _Notifier] = {}
     _shared_lock = threading.Lock()
 
     @classmethod
-    def of(cls, backend: RedisBackend) -> _Notifier:
-        """The notifier ``backend`` shares with the other open backends of this process that use
-        the same connection settings and namespace (a new one if there is none); counts it as a user."""
-        key = (os.getpid(), backend.host, backend.port, backend.db, backend.username,
-               backend._connection_args[1]["password"],
-               None if backend.tls is None else (backend.tls.cacert, backend.tls.cert, backend.tls.key),
-               backend.prefix, backend.operation_timeout)
+    def of(cls, key: tuple[Any, ...], errmap: _ErrorMap, index_keys: list[str], name: str,
+           connection_args: tuple[type[Any], dict[str, Any]]) -> _Notifier:
+        """The notifier of the backends of this process whose connection settings and namespace
+        are ``key`` (a new one if there is none); counts the caller as a user.
+
+        ``errmap`` maps the server's errors (and knows its prefix and ``operation_timeout``);
+        ``index_keys`` are the namespace's bookkeeping keys (the scripts' KEYS); ``name`` names
+        the backend in logs; ``connection_args`` is ``(connection class, its keyword arguments)``.
+        """
         with cls._shared_lock:
             notifier = cls._shared.get(key)
             if notifier is None:
-                notifier = cls._shared[key] = cls(backend, key)
+                notifier = cls._shared[key] = cls(key, errmap, index_keys, name, connection_args)
             notifier._users += 1
             return notifier
 
-    def __init__(self, backend: RedisBackend, key: tuple[Any, ...]) -> None:
-        import redis
-
+    def __init__(self, key: tuple[Any, ...], errmap: _ErrorMap, index_keys: list[str], name: str,
+                 connection_args: tuple[type[Any], dict[str, Any]]) -> None:
         self._key = key
         self._users = 0  # backends that hold it (under _shared_lock)
         # What every user has in common (no reference to a backend: a forgotten one must stay collectable).
-        self._errmap = backend._errmap
-        self._index_keys, self._prefix = backend._index_keys, backend.prefix
-        self._name = repr(backend)
-        connection_class, connection_kwargs = backend._connection_args
+        self._errmap = errmap
+        self._index_keys, self._prefix = index_keys, errmap.prefix
+        self._name = name
+        connection_class, connection_kwargs = connection_args
         self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool(
-            max_connections=2, timeout=backend.operation_timeout, connection_class=connection_class,
+            max_connections=2, timeout=errmap.operation_timeout, connection_class=connection_class,
             **connection_kwargs))
         self._sweep_script = self._client.register_script(_PRELUDE + _SWEEP)
         self._lock = threading.Lock()
@@ -157,10 +125,10 @@ class _Notifier:
         self._thread: threading.Thread | None = None
         self._wake_pair: tuple[socket.socket, socket.socket] | None = None
         self._closed = False
-        self._watch = (backend.prefix + "#w:").encode()
-        self._due = (backend.prefix + "#t").encode()
+        self._watch = (errmap.prefix + "#w:").encode()
+        self._due = (errmap.prefix + "#t").encode()
 
-    def release(self, backend: RedisBackend) -> None:
+    def release(self, backend: KVBackend) -> None:
         """``backend`` is closed: its waits end now (they return ``[]``); the last user closes this."""
         with self._lock:
             for channel in self._channels.values():
@@ -177,7 +145,7 @@ class _Notifier:
             self.close()
 
     # -- called by watches ---------------------------------------------------------------------
-    def add(self, owner: RedisBackend, prefix: str, after: int, polled_at: float, patience: float,
+    def add(self, owner: KVBackend, prefix: str, after: int, polled_at: float, patience: float,
             next_deadline: float | None) -> _Waiter:
         """Register a waiter of ``owner`` for ``prefix``; its ``wake`` is already set when the watch
         must poll again.
@@ -222,7 +190,7 @@ class _Notifier:
             raise _copy_error(cast(RdzvError, waiter.error), prefix) from waiter.error
         return waiter
 
-    def begin(self, owner: RedisBackend, prefix: str, after: int) -> tuple[_Waiter | None, int | None]:
+    def begin(self, owner: KVBackend, prefix: str, after: int) -> tuple[_Waiter | None, int | None]:
         """A watch of ``owner`` starts: subscribe to ``prefix``'s channel now (so that it may be in
         effect before the poll is sent, and :meth:`add` need not ask for a second one).
 
@@ -274,7 +242,7 @@ class _Notifier:
             self._start_locked()
         return channel
 
-    def _register_locked(self, owner: RedisBackend, channel: _Channel, after: int) -> _Waiter:
+    def _register_locked(self, owner: KVBackend, channel: _Channel, after: int) -> _Waiter:
         waiter = _Waiter(owner, channel, after)
         channel.waiters.add(waiter)
         self._waiters += 1
@@ -381,7 +349,7 @@ class _Notifier:
         with selectors.DefaultSelector() as selector:  # epoll: select() fails for descriptors >= 1024
             pair = self._wake_pair
             if pair is None or conn._sock is None:  # redis-py keeps the socket in _sock
-                raise self._errmap.errors.ConnectionError("the listener's connection was closed")
+                raise redis.exceptions.ConnectionError("the listener's connection was closed")
             selector.register(conn._sock, selectors.EVENT_READ)
             selector.register(pair[0], selectors.EVENT_READ)
             self._loop(conn, selector, pair[0])
@@ -425,7 +393,7 @@ class _Notifier:
                     if _before(self._due_since, now) and (self._deadline is None or self._deadline[0] < now):
                         self._deadline = (now, next_sweep)
             if pinged is not None and now - pinged > timeout:
-                raise self._errmap.errors.TimeoutError(f"no answer to PING within {timeout}s")
+                raise redis.exceptions.TimeoutError(f"no answer to PING within {timeout}s")
             if pinged is None and waiting and now - heard > timeout / 2:
                 conn.send_command("PING")
                 pinged = now
@@ -511,7 +479,7 @@ class _Notifier:
 
 
 def _parse_event(data: bytes, prefix: bytes) -> tuple[int, tuple[int, Event] | None]:
-    """A watch channel's message (see the ``notify`` function of :mod:`rdzv_backends._redis_lua`):
+    """A watch channel's message (see the ``notify`` function of :mod:`rdzv_backends.redis._lua`):
     ``(revision, (the first revision of its history, the event))``, or ``(revision, None)`` if it
     carries only the revision; ``(0, None)`` for one the scripts did not publish (or not about a
     key under ``prefix``)."""
@@ -537,13 +505,3 @@ def _parse_event(data: bytes, prefix: bytes) -> tuple[int, tuple[int, Event] | N
 def _before(moment: float | None, then: float) -> bool:
     """``moment`` (``time.monotonic()``, or ``None``: not yet) came before ``then``."""
     return moment is not None and moment < then
-
-
-def _copy_error(error: RdzvError, key: str) -> RdzvError:
-    """A copy of ``error`` (met by the listener thread) for one watch to raise, about ``key`` (its prefix)."""
-    copy = type(error).__new__(type(error))
-    copy.__dict__.update(error.__dict__)
-    copy.args = error.args
-    if isinstance(copy, KVError) and not isinstance(copy, CorruptEntry):  # CorruptEntry names its own key
-        copy.key = key
-    return copy

@@ -1,0 +1,115 @@
+"""``redis://`` and ``rediss://`` — the KV protocol on one Redis server, with redis-py (docs/backends/redis.md).
+
+This package holds the registration only; :mod:`rdzv_backends.redis.backend` (and redis-py) is
+imported when a URL is opened, or a name of it is asked for (``from rdzv_backends.redis import
+RedisBackend``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from rdzv_backends._lazy import lazy_attributes
+from rdzv_core.errors import InvalidURLError, UnknownBackendError
+from rdzv_core.kv import Capabilities
+from rdzv_core.plugins import BackendSpec, backend_plugin
+from rdzv_core.url import RendezvousURL, to_int, to_str
+
+if TYPE_CHECKING:
+    from rdzv_backends.redis._config import TLSFiles, namespace_prefix
+    from rdzv_backends.redis._lua import HISTORY_LIMIT
+    from rdzv_backends.redis.backend import RedisBackend
+
+__all__ = [
+    "RedisBackend",
+    "TLSFiles",
+    "CAPABILITIES",
+    "HISTORY_LIMIT",
+    "MAX_VALUE_BYTES",
+    "DEFAULT_PORT",
+    "DEFAULT_OPERATION_TIMEOUT",
+    "DEFAULT_MAX_CONNECTIONS",
+    "QUERY_KEYS",
+    "namespace_prefix",
+    "plugin",
+]
+
+DEFAULT_PORT = 6379
+#: Seconds a call may take when the URL sets no ``operation_timeout``.
+DEFAULT_OPERATION_TIMEOUT = 10.0
+#: Pooled connections per backend object when the URL sets no ``max_connections`` (more
+#: calls at once wait for a free one; docs/backends/redis.md, "The connection pool").
+DEFAULT_MAX_CONNECTIONS = 1024
+#: Largest value accepted (bytes). The value is held twice (data + log), so 64 MiB, not Redis' 512 MiB.
+MAX_VALUE_BYTES = 64 * 1024 * 1024
+
+CAPABILITIES = Capabilities(
+    multi_host=True,
+    server_side_ttl=True,
+    native_watch=True,
+    persistent=True,
+    tls=True,
+    auth=True,
+    max_value_bytes=MAX_VALUE_BYTES,
+    # A watcher sleeps until the next deadline (server clock) and records the expiry
+    # itself: measured lateness is a few ms on loopback; 0.1 s covers a loaded host.
+    ttl_resolution=0.1,
+)
+
+
+
+def _open(url: RendezvousURL) -> RedisBackend:
+    """Open a :class:`RedisBackend` for a parsed ``redis://`` / ``rediss://`` URL.
+
+    Raises:
+        InvalidURLError: more than one host; TLS options without ``rediss``; a TLS file problem.
+        UnknownBackendError: redis-py is not installed.
+        BackendUnavailable: see :class:`RedisBackend`.
+    """
+    if len(url.hosts) != 1:
+        raise InvalidURLError(
+            "host", ",".join(f"{h}:{p}" for h, p in url.hosts),
+            "Redis takes one host: one server endpoint (Sentinel and Cluster are not supported; for a replicated "
+            "backend use etcd: README, 'High availability')",
+        )
+    try:
+        from rdzv_backends.redis.backend import open_url
+    except ImportError as exc:
+        if exc.name != "redis" and not (exc.name or "").startswith("redis."):
+            raise
+        raise UnknownBackendError(
+            "scheme", url.scheme, "needs the redis-py client, which is not installed: pip install 'rdzv[redis]'"
+        ) from None
+    return open_url(url)
+
+
+QUERY_KEYS: dict[str, Callable[[str, str], Any]] = {
+    "db": lambda f, v: to_int(f, v, 0),
+    "max_connections": lambda f, v: to_int(f, v, 1),
+    "namespace": to_str,
+    "cacert": to_str,
+    "cert": to_str,
+    "key": to_str,
+}
+
+
+#: Registers ``redis://`` and ``rediss://`` through the ``rdzv`` entry point.
+plugin = backend_plugin(
+    BackendSpec(
+        schemes=("redis", "rediss"),
+        open=_open,
+        capabilities=CAPABILITIES,
+        default_port=DEFAULT_PORT,
+        query_keys=QUERY_KEYS,
+        requires_host=True,
+        description="agents on many hosts, one Redis server endpoint (Lua scripts, stream log, server-side TTLs; "
+                    "rediss:// for TLS)",
+    )
+)
+
+__getattr__ = lazy_attributes(__name__, {
+    "RedisBackend": "rdzv_backends.redis.backend",
+    "TLSFiles": "rdzv_backends.redis._config",
+    "namespace_prefix": "rdzv_backends.redis._config",
+    "HISTORY_LIMIT": "rdzv_backends.redis._lua",
+})
