@@ -432,3 +432,11 @@ def test_strip_rdzv_options_keeps_everything_else():
 def test_nnodes_type_messages():
     with pytest.raises(argparse.ArgumentTypeError):
         cli._nnodes("2:1")
+
+
+def test_the_old_cli_module_still_gives_every_name():
+    from rdzv_agent import launch_args, launch_config
+
+    for name in [*launch_args.__all__, *launch_config.__all__]:
+        assert getattr(cli, name) is getattr(launch_args if name in launch_args.__all__ else launch_config, name)
+    assert cli.merge_query("etcd://h/r?min_workers=2&x=1", {"min_nodes": "3"}) == "etcd://h/r?x=1&min_nodes=3"
