@@ -154,7 +154,10 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
     else:
         if not endpoint and scheme != "memory":
             raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
-        hosts, username, password = parse_netloc(endpoint or "torchrun")
+        netloc, _, rest = (endpoint or "torchrun").partition("/")
+        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
+            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
+        hosts, username, password = parse_netloc(netloc)
     query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
     config = dict(params.config)
     if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
