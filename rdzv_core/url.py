@@ -12,6 +12,11 @@ Every query key is converted by one table (:data:`RENDEZVOUS_QUERY_KEYS`, plus
 the backend's own ``BackendSpec.query_keys``); a bad key or value raises
 :class:`~rdzv_core.errors.InvalidURLError` naming the field and the value.
 The password never appears in ``repr``, ``str`` or any error message.
+
+A URL's text is parsed once, with its backend's rules (:func:`rdzv_core.parse_backend_url`,
+which calls :func:`parse_url`); whoever adds query keys afterwards (``rdzv-run``'s
+``--rdzv-conf``/``--nnodes``, torchrun's parameters) uses :meth:`RendezvousURL.with_params`
+on the parsed value, which converts them with the same table.
 """
 
 from __future__ import annotations
