@@ -1,6 +1,7 @@
 """``rdzv-run``: torchrun's launcher over any ``rdzv`` backend.
 
-``main()`` parses the options (:mod:`rdzv_agent.cli`), builds the handler with
+``main()`` parses the options (:mod:`rdzv_agent.launch_args`, :mod:`rdzv_agent.launch_config`:
+the rendezvous URL is parsed once there), builds the handler with
 :func:`rdzv_core.create_handler` (or torch's static rendezvous for
 ``--node-rank``/``--master-addr``/``--master-port``, :mod:`rdzv_agent.static`),
 runs a :class:`~rdzv_agent.local.LocalElasticAgent` and prints a one-screen
@@ -58,9 +59,11 @@ from torch.distributed.elastic.rendezvous.api import (
 )
 
 import rdzv_core
+from rdzv_core.url import RendezvousURL
 
-from . import cli
 from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
+from .launch_args import URL_ENV, parse_args, strip_rdzv_options
+from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .local import LocalElasticAgent
 from .report import Reporter, Summary
 from .simple import AgentEvent
@@ -91,7 +94,7 @@ def worker_environment(environ: Mapping[str, str], password: str | None) -> dict
     def secret(value: str) -> bool:
         return any(value == f or f":{f}@" in value for f in forms)
 
-    return {k: v for k, v in environ.items() if k != cli.URL_ENV and not secret(v)}
+    return {k: v for k, v in environ.items() if k != URL_ENV and not secret(v)}
 
 
 def _configure_logging(level_arg: str | None) -> None:
@@ -112,7 +115,8 @@ def _error(text: str) -> int:
 
 
 def _reexec_without_password(raw_argv: Sequence[str], url: str, password: str | None) -> None:
-    """If the password is on our command line, exec ourselves with the URL in ``RDZV_URL`` instead.
+    """If the password is on our command line, exec ourselves with the URL (``--rdzv``'s text) in
+    ``RDZV_URL`` instead.
 
     ``/proc/PID/cmdline`` (what ``ps`` shows every user) then no longer holds it;
     ``/proc/PID/environ`` is readable by the owner only. Same pid, same signals.
@@ -121,11 +125,11 @@ def _reexec_without_password(raw_argv: Sequence[str], url: str, password: str | 
     forms = _password_forms(password)
     if not forms or not any(f in arg for f in forms for arg in raw_argv):
         return
-    stripped = cli.strip_rdzv_options(raw_argv)
+    stripped = strip_rdzv_options(raw_argv)
     if any(f in arg for f in forms for arg in stripped):
         log.warning("the rendezvous password appears elsewhere on the command line; not hiding it")
         return
-    env = {**os.environ, cli.URL_ENV: url}
+    env = {**os.environ, URL_ENV: url}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", "rdzv_agent.launcher", *stripped], env)
@@ -139,37 +143,39 @@ def main(argv: Sequence[str] | None = None) -> int:
             re-exec itself to take a password off its command line).
     """
     raw_argv = list(sys.argv[1:] if argv is None else argv)
-    args = cli.parse_args(raw_argv)  # exits 2 on bad options
+    args = parse_args(raw_argv)  # exits 2 on bad options
     try:
         _configure_logging(args.log_level)
-        config = cli.build_config(args)
-        if argv is None and not config.standalone and config.static is None:
-            _reexec_without_password(raw_argv, config.url, rdzv_core.parse_backend_url(config.url)[1].password)
+        config = build_config(args)
+        if argv is None and config.url is not None:  # the URL's text as given: --rdzv, else RDZV_URL
+            text = args.rdzv if args.rdzv is not None else os.environ.get(URL_ENV, "")
+            _reexec_without_password(raw_argv, text, config.url.password)
     except ValueError as exc:
         return _error(str(exc))
-    standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if config.standalone else None
+    target = config.target
+    standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if isinstance(target, Standalone) else ""
     try:
-        url = config.url.replace("{standalone_dir}", standalone_dir) if standalone_dir else config.url
-        return _launch(config, url)
+        return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target)
     finally:
         if standalone_dir:
             shutil.rmtree(standalone_dir, ignore_errors=True)
 
 
-def _open_rendezvous(config: cli.LaunchConfig, url: str, reporter: Reporter) -> tuple[Any, str, dict[str, Any]]:
+def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter
+                     ) -> tuple[Any, str, dict[str, Any]]:
     """The handler, the rendezvous as shown to a person, and the node counts/timeout shown.
 
     Raises:
-        ValueError: a bad URL or option (exit status 2).
+        ValueError: a bad option (exit status 2).
         rdzv_core.RdzvError, RendezvousError: the backend cannot be opened (exit status 1).
     """
-    if config.static is not None:
+    if isinstance(target, StaticRendezvous):
         from .static import create_static_handler  # imports torch's static rendezvous only when used
 
-        static = config.static
+        static = target
         shown: dict[str, Any] = {"min_nodes": static.nnodes, "max_nodes": static.nnodes, "timeout": static.timeout}
         return create_static_handler(static), static.describe(), shown
-    _, parsed = rdzv_core.parse_backend_url(url)
+    url = target
     options: dict[str, Any] = {"on_progress": reporter.progress}
     if config.local_addr:
         options["local_addr"] = config.local_addr
@@ -178,20 +184,20 @@ def _open_rendezvous(config: cli.LaunchConfig, url: str, reporter: Reporter) -> 
     except (rdzv_core.RdzvError, RendezvousError) as exc:
         if isinstance(exc, ValueError):
             raise
-        raise _OpenError(f"cannot open the rendezvous {parsed.redacted()}: {exc}") from exc
+        raise _OpenError(f"cannot open the rendezvous {url.redacted()}: {exc}") from exc
     settings = getattr(handler, "params", None)
-    shown = {k: getattr(settings, k, None) or parsed.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
-    return handler, parsed.redacted(), shown
+    shown = {k: getattr(settings, k, None) or url.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
+    return handler, url.redacted(), shown
 
 
 class _OpenError(Exception):
     """The backend could not be opened (the message is safe to show)."""
 
 
-def _launch(config: cli.LaunchConfig, url: str) -> int:
+def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> int:
     reporter = Reporter()
     try:
-        handler, shown_url, shown = _open_rendezvous(config, url, reporter)
+        handler, shown_url, shown = _open_rendezvous(config, target, reporter)
     except ValueError as exc:
         return _error(str(exc))
     except _OpenError as exc:
@@ -216,7 +222,8 @@ def _launch(config: cli.LaunchConfig, url: str) -> int:
 
         agent = LocalElasticAgent(
             spec, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
-            env=worker_environment(os.environ, _password(config, url)), listener=listener,
+            env=worker_environment(os.environ, target.password if isinstance(target, RendezvousURL) else None),
+            listener=listener,
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
@@ -228,12 +235,6 @@ def _launch(config: cli.LaunchConfig, url: str) -> int:
     sys.stderr.write(summary.render() + "\n")
     sys.stderr.flush()
     return summary.exit_code
-
-
-def _password(config: cli.LaunchConfig, url: str) -> str | None:
-    if config.static is not None:
-        return None
-    return rdzv_core.parse_backend_url(url)[1].password
 
 
 def _run(agent: LocalElasticAgent, handler: Any) -> Summary:

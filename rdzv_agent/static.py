@@ -24,7 +24,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo
 from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 
-from .cli import StaticRendezvous
+from .launch_config import StaticRendezvous
 
 __all__ = ["StaticHandler", "create_static_handler"]
 

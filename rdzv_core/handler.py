@@ -29,8 +29,10 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 from . import errors
 from .kv import KVBackend
 from .outage import OutageLog
+from .plugins import parse_backend_url
 from .rendezvous import Progress, Rendezvous, RendezvousParams
 from .store import KVStore
+from .url import RendezvousURL
 
 __all__ = ["RdzvHandler", "HANDLER_OVERRIDES"]
 
@@ -103,15 +105,14 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._waiting_outage = OutageLog(log.log)
 
     @classmethod
-    def from_url(cls, url: str, **overrides: Any) -> "RdzvHandler":
-        """Build a handler from a rendezvous URL; ``overrides`` win over the query.
+    def from_url(cls, url: str | RendezvousURL, **overrides: Any) -> "RdzvHandler":
+        """Build a handler from a rendezvous URL (text, or a parsed one: not parsed again);
+        ``overrides`` win over the query.
 
         Raises:
             UnknownBackendError, InvalidURLError, ConfigError: bad URL or values.
             torch's RendezvousConnectionError: the backend cannot be reached.
         """
-        from . import parse_backend_url
-
         unknown = sorted(set(overrides) - set(HANDLER_OVERRIDES))
         if unknown:
             valid = ", ".join(HANDLER_OVERRIDES)

@@ -21,10 +21,14 @@ Rules (after conda's plugin manager): two distributions claiming one scheme is a
 logs a warning and the others keep working; an unknown scheme raises
 :class:`~rdzv_core.errors.UnknownBackendError` listing the known schemes and,
 for the built-in ones not installed, the extra that adds them.
+
+The registry also owns a URL's meaning: :func:`parse_backend_url` parses it once, with
+the rules of the backend its scheme names, and :func:`open_backend` opens that backend.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 import threading
@@ -33,9 +37,9 @@ from typing import Any, Callable, Mapping, Sequence, cast
 
 import pluggy
 
-from .errors import PluginError, UnknownBackendError
+from .errors import InvalidURLError, PluginError, UnknownBackendError
 from .kv import Capabilities, KVBackend
-from .url import Converter, RendezvousURL
+from .url import RENDEZVOUS_QUERY_KEYS, Converter, RendezvousURL, parse_url, split_scheme, validate_run_id
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -46,6 +50,9 @@ __all__ = [
     "Registry",
     "get_registry",
     "backend_plugin",
+    "parse_backend_url",
+    "open_backend",
+    "list_backends",
 ]
 
 log = logging.getLogger(__name__)
@@ -221,3 +228,76 @@ def get_registry() -> Registry:
         if _REGISTRY is None:
             _REGISTRY = Registry()
         return _REGISTRY
+
+
+def list_backends() -> dict[str, BackendInfo]:
+    """Every registered scheme -> :class:`BackendInfo` (spec with capabilities, distribution)."""
+    return get_registry().backends()
+
+
+def parse_backend_url(
+    url: str | RendezvousURL, *, require_run_id: bool = True
+) -> tuple[BackendInfo, RendezvousURL]:
+    """Find the backend for ``url``'s scheme and parse the URL with that backend's rules.
+
+    A :class:`RendezvousURL` is not parsed again: it is checked against the backend's
+    rules (hosts without a port get its default port; its query keys must be the
+    backend's) and returned with the backend's :attr:`~RendezvousURL.query_keys`.
+
+    Raises:
+        UnknownBackendError: no installed backend claims the scheme.
+        InvalidURLError: the URL or one of its values is invalid.
+    """
+    if isinstance(url, RendezvousURL):
+        info = get_registry().lookup(url.scheme)
+        parsed = _conform(url, info.spec, require_run_id)
+    else:
+        scheme, _ = split_scheme(url)  # the URL as a whole is checked before its scheme is looked up
+        info = get_registry().lookup(scheme)
+        spec = info.spec
+        parsed = parse_url(url, default_port=spec.default_port, extra_keys=spec.query_keys,
+                           require_host=spec.requires_host, require_run_id=require_run_id)
+    _check_path_and_credentials(parsed, info.spec)
+    return info, parsed
+
+
+def _conform(url: RendezvousURL, spec: BackendSpec, require_run_id: bool) -> RendezvousURL:
+    """``url`` (built, not parsed) checked against ``spec`` as :func:`~rdzv_core.url.parse_url` would."""
+    if spec.requires_host and not url.hosts:
+        raise InvalidURLError("host", "", f"{url.scheme}:// needs at least one HOST[:PORT]")
+    if require_run_id or url.run_id:
+        validate_run_id(url.run_id)
+    for key, value in url.params.items():
+        if key not in RENDEZVOUS_QUERY_KEYS and key not in spec.query_keys:
+            raise InvalidURLError(key, value, f"not a query key of {url.scheme}:// URLs")
+    hosts = tuple((h, spec.default_port if p is None else p) for h, p in url.hosts)
+    return dataclasses.replace(url, hosts=hosts, query_keys=spec.query_keys)
+
+
+def _check_path_and_credentials(parsed: RendezvousURL, spec: BackendSpec) -> None:
+    scheme = parsed.scheme
+    if parsed.path and not spec.uses_path:
+        raise InvalidURLError(
+            "path",
+            parsed.path,
+            f"{scheme}:// URLs take no path before the run id ({scheme}://HOST/RUN_ID); "
+            "keys of different jobs are separated by the run id (and ?prefix= where the backend has it)",
+        )
+    if (parsed.username or parsed.password) and not spec.capabilities.auth:
+        raise InvalidURLError(
+            "user", parsed.username or "", f"{scheme}:// backends take no credentials (user:password@); remove them"
+        )
+
+
+def open_backend(url: str | RendezvousURL) -> KVBackend:
+    """Open the KV backend named by ``url`` (the run id segment may be empty).
+
+    Returns:
+        A :class:`KVBackend`; close it (or use it as a context manager) when done.
+
+    Raises:
+        UnknownBackendError, InvalidURLError: see :func:`parse_backend_url`.
+        BackendUnavailable: the server cannot be reached.
+    """
+    info, parsed = parse_backend_url(url, require_run_id=False)
+    return info.spec.open(parsed)

@@ -39,17 +39,17 @@ from __future__ import annotations
 import logging
 import os
 import re
-import urllib.parse
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import InvalidURLError
-from .url import validate_run_id
+from .plugins import parse_backend_url
+from .url import RendezvousURL, parse_netloc, parse_path, validate_run_id
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "etcd", "etcd_v3", "redis",
-           "file", "memory"]
+__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "etcd",
+           "etcd_v3", "redis", "file", "memory"]
 
 log = logging.getLogger(__name__)
 
@@ -119,15 +119,20 @@ IGNORED_TORCH_KEYS = frozenset({"is_host", "close_timeout", "read_timeout", "kee
                                 "keep_alive_max_attempt", "use_agent_store"})
 
 
-def handler_url(scheme: str, params: "RendezvousParameters") -> str:
-    """The rdzv URL equivalent to torchrun's ``RendezvousParameters`` for ``scheme``.
+def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL:
+    """The rdzv URL equivalent to torchrun's ``RendezvousParameters`` for ``scheme``, built (not parsed).
 
-    Run id ``none`` (no ``--rdzv-id``) becomes :func:`derived_run_id`'s, except for ``memory``.
+    ``--rdzv-endpoint`` is ``[USER[:PASSWORD]@]HOST:PORT[,...]`` (``rdzv-file``: an absolute
+    directory, taken literally; ``rdzv-memory``: a keyspace name, default ``torchrun``);
+    ``--rdzv-conf`` keys and the node counts are set as the URL's query keys
+    (:meth:`RendezvousURL.with_params`). Run id ``none`` (no ``--rdzv-id``) becomes
+    :func:`derived_run_id`'s, except for ``memory``.
 
     Raises:
         InvalidURLError: the endpoint is missing where the scheme needs one (``rdzv_endpoint``),
-            or the run id is not one (``rdzv_id``: checked first, so that ``../x`` is not
-            read as a directory of the endpoint), or is ``none`` and none can be derived.
+            or the run id is not one (``rdzv_id``: checked first), or is ``none`` and none can be
+            derived; a bad host, directory or ``--rdzv-conf`` key or value.
+        UnknownBackendError: ``scheme``'s backend is not installed.
     """
     run_id = params.run_id
     if run_id == TORCH_DEFAULT_RUN_ID and scheme not in _PROCESS_LOCAL:
@@ -139,16 +144,20 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
     except InvalidURLError as exc:
         raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
     endpoint = (params.endpoint or "").strip()
+    hosts: tuple[tuple[str, int | None], ...] = ()
+    username = password = None
+    path = ""
     if scheme == "file":
         if not endpoint.startswith("/"):
             raise InvalidURLError("rdzv_endpoint", endpoint, "rdzv-file needs an absolute directory path")
-        netloc_path = "/" + endpoint.strip("/")
-    elif scheme == "memory":
-        netloc_path = endpoint or "torchrun"
+        path = parse_path(endpoint)
     else:
-        if not endpoint:
+        if not endpoint and scheme != "memory":
             raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
-        netloc_path = endpoint
+        netloc, _, rest = (endpoint or "torchrun").partition("/")
+        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
+            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
+        hosts, username, password = parse_netloc(netloc)
     query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
     config = dict(params.config)
     if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
@@ -157,7 +166,13 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
         if key in IGNORED_TORCH_KEYS or value is None:
             continue
         query[key] = value
-    return f"{scheme}://{netloc_path}/{run_id}?{urllib.parse.urlencode(query)}"
+    _, url = parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))
+    return url.with_params(query)
+
+
+def handler_url(scheme: str, params: "RendezvousParameters") -> str:
+    """:func:`rendezvous_url` as text, the password shown as ``***`` (for messages)."""
+    return rendezvous_url(scheme, params).redacted()
 
 
 def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
@@ -166,7 +181,7 @@ def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "Re
             from .handler import RdzvHandler
 
             return RdzvHandler.from_url(
-                handler_url(scheme, params), local_addr=params.local_addr, backend_name=params.backend
+                rendezvous_url(scheme, params), local_addr=params.local_addr, backend_name=params.backend
             )
 
         return create

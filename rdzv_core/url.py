@@ -12,10 +12,16 @@ Every query key is converted by one table (:data:`RENDEZVOUS_QUERY_KEYS`, plus
 the backend's own ``BackendSpec.query_keys``); a bad key or value raises
 :class:`~rdzv_core.errors.InvalidURLError` naming the field and the value.
 The password never appears in ``repr``, ``str`` or any error message.
+
+A URL's text is parsed once, with its backend's rules (:func:`rdzv_core.parse_backend_url`,
+which calls :func:`parse_url`); whoever adds query keys afterwards (``rdzv-run``'s
+``--rdzv-conf``/``--nnodes``, torchrun's parameters) uses :meth:`RendezvousURL.with_params`
+on the parsed value, which converts them with the same table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -26,6 +32,8 @@ from .errors import InvalidURLError
 __all__ = [
     "RendezvousURL",
     "parse_url",
+    "parse_netloc",
+    "parse_path",
     "split_scheme",
     "redact_text",
     "RENDEZVOUS_QUERY_KEYS",
@@ -164,6 +172,9 @@ class RendezvousURL:
         params: converted query values, by canonical key name.
         username: user from the URL, or ``None``.
         password: password from the URL, or ``None`` (never shown by ``repr``).
+        query_keys: the backend's own query keys and converters the URL was parsed with
+            (:meth:`with_params` converts new values with them and :data:`RENDEZVOUS_QUERY_KEYS`).
+        spelled: canonical key -> the name it was given under (an alias), for messages.
     """
 
     scheme: str
@@ -173,6 +184,8 @@ class RendezvousURL:
     params: Mapping[str, Any] = field(default_factory=dict)
     username: str | None = None
     password: str | None = field(default=None, repr=False)
+    query_keys: Mapping[str, Converter] = field(default_factory=dict, repr=False, compare=False)
+    spelled: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     def redacted(self) -> str:
         """The URL as text with the password replaced by ``***``."""
@@ -186,6 +199,61 @@ class RendezvousURL:
 
     def __str__(self) -> str:
         return self.redacted()
+
+    def key_name(self, key: str) -> str:
+        """The name canonical query ``key`` was given under (``"min_workers"`` for ``min_nodes``), else ``key``."""
+        return self.spelled.get(key, key)
+
+    def with_params(self, values: Mapping[str, Any], *, replace: bool = True) -> RendezvousURL:
+        """A copy with the query ``values`` set, as if they had been written in the URL's query.
+
+        Keys may be aliases (:data:`QUERY_ALIASES`); each value (``str(value)`` if not a str)
+        is converted by the same table as the URL's own (:data:`RENDEZVOUS_QUERY_KEYS` and
+        :attr:`query_keys`). A key given here replaces the same key (under any name) in the
+        URL; with ``replace=False`` only the keys the URL lacks are added.
+
+        Raises:
+            InvalidURLError: naming the key as given: unknown, a bad value, given twice
+                (under two names), or ``min_nodes`` greater than ``max_nodes`` afterwards.
+        """
+        params, spelled = dict(self.params), dict(self.spelled)
+        given: set[str] = set()
+        for raw_key, value in values.items():
+            raw = value if isinstance(value, str) else str(value)
+            key = _canonical_key(raw_key, raw, self.query_keys)
+            if key in given:
+                raise InvalidURLError(raw_key, raw, "given more than once")
+            given.add(key)
+            if not replace and key in params:
+                continue
+            params[key] = _converter(key, self.query_keys)(raw_key, raw)
+            spelled.pop(key, None)
+            if raw_key != key:
+                spelled[key] = raw_key
+        _check_node_range(params, spelled)
+        return dataclasses.replace(self, params=params, spelled=spelled)
+
+
+def _converter(key: str, extra: Mapping[str, Converter]) -> Converter:
+    return extra[key] if key in extra else RENDEZVOUS_QUERY_KEYS[key]
+
+
+def _canonical_key(raw_key: str, raw_value: str, extra: Mapping[str, Converter]) -> str:
+    """``raw_key``'s canonical name, or :class:`InvalidURLError` listing the valid keys."""
+    key = QUERY_ALIASES.get(raw_key, raw_key)
+    if key not in RENDEZVOUS_QUERY_KEYS and key not in extra:
+        valid = ", ".join(sorted(set(RENDEZVOUS_QUERY_KEYS) | set(extra) | set(QUERY_ALIASES)))
+        raise InvalidURLError(raw_key, raw_value, "unknown query key (credentials go in the URL's "
+                                                  f"user:password@); valid keys: {valid}")
+    return key
+
+
+def _check_node_range(params: Mapping[str, Any], spelled: Mapping[str, str]) -> None:
+    """Raise :class:`InvalidURLError` (naming the keys as given) if ``min_nodes`` > ``max_nodes``."""
+    lo, hi = params.get("min_nodes"), params.get("max_nodes")
+    if lo is not None and hi is not None and lo > hi:
+        lo_name, hi_name = spelled.get("min_nodes", "min_nodes"), spelled.get("max_nodes", "max_nodes")
+        raise InvalidURLError(lo_name, lo, f"greater than {hi_name}={hi}")
 
 
 def _format_host(host: str, port: int | None) -> str:
@@ -291,13 +359,7 @@ def parse_url(
     scheme, rest = split_scheme(url)
     rest, _, query = rest.partition("?")
     netloc, slash, path = rest.partition("/")
-    username = password = None
-    if "@" in netloc:
-        userinfo, _, netloc = netloc.rpartition("@")
-        user, has_pw, pw = userinfo.partition(":")
-        username = _unquote("username", user) if user else None
-        password = _unquote("password", pw, secret=True) if has_pw else None
-    hosts = tuple(_parse_host(h, default_port) for h in netloc.split(",")) if netloc else ()
+    hosts, username, password = parse_netloc(netloc, default_port)
     if require_host and not hosts:
         raise InvalidURLError("host", netloc, f"{scheme}:// needs at least one HOST[:PORT]")
     parts = path.split("/") if slash else []
@@ -308,11 +370,42 @@ def parse_url(
     path_part = "/".join(segments[:-1])
     if any(s in ("", ".", "..") for s in segments[:-1]) and path_part:
         raise InvalidURLError("path", path_part, "empty, '.' or '..' segments are not allowed")
-    params = _parse_query(query, extra_keys or {})
-    lo, hi = params.get("min_nodes"), params.get("max_nodes")
-    if lo is not None and hi is not None and lo > hi:
-        raise InvalidURLError("min_nodes", lo, f"greater than max_nodes={hi}")
-    return RendezvousURL(scheme, hosts, path_part, run_id, params, username, password)
+    extra = extra_keys or {}
+    params, spelled = _parse_query(query, extra)
+    _check_node_range(params, spelled)
+    return RendezvousURL(scheme, hosts, path_part, run_id, params, username, password, extra, spelled)
+
+
+def parse_netloc(
+    netloc: str, default_port: int | None = None
+) -> tuple[tuple[tuple[str, int | None], ...], str | None, str | None]:
+    """``[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]`` as ``(hosts, username, password)``.
+
+    User and password are percent-decoded; a host without a port gets ``default_port``.
+
+    Raises:
+        InvalidURLError: naming ``host``, ``port``, ``username`` or ``password`` (shown as ``***``).
+    """
+    username = password = None
+    if "@" in netloc:
+        userinfo, _, netloc = netloc.rpartition("@")
+        user, has_pw, pw = userinfo.partition(":")
+        username = _unquote("username", user) if user else None
+        password = _unquote("password", pw, secret=True) if has_pw else None
+    hosts = tuple(_parse_host(h, default_port) for h in netloc.split(",")) if netloc else ()
+    return hosts, username, password
+
+
+def parse_path(directory: str) -> str:
+    """A directory as :attr:`RendezvousURL.path`: ``/a/b/`` -> ``a/b``, taken literally (no escapes).
+
+    Raises:
+        InvalidURLError: on ``path``: an empty, ``.`` or ``..`` segment (``/a//b``, ``/a/../b``).
+    """
+    path = directory.strip("/")
+    if path and any(s in ("", ".", "..") for s in path.split("/")):
+        raise InvalidURLError("path", path, "empty, '.' or '..' segments are not allowed")
+    return path
 
 
 _BAD_ESCAPE = re.compile(r"%(?![0-9A-Fa-f]{2})")
@@ -331,23 +424,22 @@ def _unquote(field: str, text: str, *, secret: bool = False) -> str:
         raise InvalidURLError(field, shown, "percent-escapes that are not UTF-8") from None
 
 
-def _parse_query(query: str, extra: Mapping[str, Converter]) -> dict[str, Any]:
-    table = {**RENDEZVOUS_QUERY_KEYS, **extra}
+def _parse_query(query: str, extra: Mapping[str, Converter]) -> tuple[dict[str, Any], dict[str, str]]:
+    """The converted query values by canonical key, and canonical key -> alias it was given under."""
     params: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
     try:
         pairs = urllib.parse.parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
     except ValueError:
         raise InvalidURLError("query", query, "not key=value pairs joined by '&'") from None
     for raw_key, raw_value in pairs:
-        key = QUERY_ALIASES.get(raw_key, raw_key)
-        if key not in table:
-            valid = ", ".join(sorted(set(table) | set(QUERY_ALIASES)))
-            raise InvalidURLError(raw_key, raw_value, "unknown query key (credentials go in the URL's "
-                                                      f"user:password@); valid keys: {valid}")
+        key = _canonical_key(raw_key, raw_value, extra)
         if key in params:
             raise InvalidURLError(raw_key, raw_value, "given more than once")
-        params[key] = table[key](raw_key, raw_value)
-    return params
+        params[key] = _converter(key, extra)(raw_key, raw_value)
+        if raw_key != key:
+            spelled[key] = raw_key
+    return params, spelled
 
 
 def redact_text(url: str) -> str:

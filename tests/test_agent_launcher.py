@@ -359,14 +359,14 @@ def test_pet_variables_set_torchruns_options_and_flags_win(monkeypatch, tmp_path
     c = cli.build_config(cli.parse_args([WORKER]))
     assert (c.nproc_per_node, c.min_nodes, c.max_nodes, c.max_restarts, c.monitor_interval, c.role) == (
         3, 2, 4, 2, 0.25, "trainer")
-    assert c.url == f"file://{tmp_path}/job?last_call_timeout=1&min_nodes=2&max_nodes=4"
+    assert c.url.redacted() == f"file://{tmp_path}/job?last_call_timeout=1.0&min_nodes=2&max_nodes=4"
     assert (c.local_addr, c.start_method, c.program_args[:2]) == ("127.0.0.1", "fork", ["-u", "-c"])
     # the command line wins, and a bad variable behind a given flag is not even read (as in torchrun)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "abc")
     monkeypatch.setenv("PET_STANDALONE", "0")
     c = cli.build_config(cli.parse_args(["--nproc-per-node", "2", "--nnodes", "1", "--rdzv-id", "other", WORKER]))
     assert (c.nproc_per_node, c.min_nodes, c.max_nodes) == (2, 1, 1)
-    assert c.url.startswith(f"file://{tmp_path}/other?")
+    assert c.url.redacted().startswith(f"file://{tmp_path}/other?")
     monkeypatch.setenv("PET_STANDALONE", "1")
     monkeypatch.delenv("PET_RDZV_BACKEND")
     monkeypatch.delenv("PET_RDZV_ENDPOINT")
@@ -396,3 +396,60 @@ def test_console_script_is_installed():
         pytest.skip("rdzv-run is not on PATH (package not installed)")
     assert os.path.exists(exe)
     assert sys.executable
+
+
+def _parses_of_one_launch(argv):
+    from agent_workers.parse_counter import install
+
+    calls = []
+    uninstall = install(calls.append)
+    try:
+        assert main([*argv, "--no-python", "/bin/true"]) == 0
+    finally:
+        uninstall()
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["url", "backend", "standalone"])
+def test_one_launch_parses_the_url_once(mode, tmp_path):
+    """From ``rdzv-run``'s options to the backend's ``open``, the URL text is parsed once (none for
+    ``--standalone``, whose URL is built), with ``--rdzv-conf`` and ``--nnodes`` added to it."""
+    argv = {"url": ["--rdzv", f"file://{tmp_path}/job?last_call_timeout=1", "--rdzv-conf", "keep_alive_ttl=5",
+                    "--nnodes", "1"],
+            "backend": ["--rdzv-backend", "file", "--rdzv-endpoint", str(tmp_path), "--rdzv-id", "job",
+                        "--rdzv-conf", "keep_alive_ttl=5", "--nnodes", "1"],
+            "standalone": ["--standalone", "--rdzv-conf", "keep_alive_ttl=5"]}[mode]
+    calls = _parses_of_one_launch(argv)
+    expected = [] if mode == "standalone" else ["parse_url", "parse_qsl"]
+    assert sorted(calls) == sorted(expected), calls
+
+
+def test_the_parse_counter_sees_a_second_parse(tmp_path, monkeypatch):
+    """The count above can fail: one more parse anywhere on the path (here in ``create_handler``) is seen."""
+    import rdzv_core
+    import rdzv_core.plugins
+
+    original = rdzv_core.create_handler
+
+    def create_handler(url, **options):
+        return original(rdzv_core.plugins.parse_backend_url(url.redacted())[1], **options)
+
+    monkeypatch.setattr(rdzv_core, "create_handler", create_handler)
+    assert _parses_of_one_launch(["--rdzv", f"file://{tmp_path}/job"]).count("parse_url") == 2
+
+
+def test_a_launcher_that_hides_its_password_parses_the_url_once_per_image(tmp_path, rdzv_server_redis):
+    """A real ``rdzv-run`` with the password on its command line re-executes itself (same pid) with the URL
+    in ``RDZV_URL``: each of the two images parses the URL once."""
+    parse_log = tmp_path / "parses"
+    site = os.path.join(HERE, "count_site")
+    env = {**os.environ, "RDZV_TEST_PARSE_LOG": str(parse_log),
+           "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH")) if p)}
+    env.pop("RDZV_URL", None)
+    url = f"redis://default:pw{uuid.uuid4().hex[:8]}@{rdzv_server_redis.address}/{uuid.uuid4().hex[:8]}"
+    rdzv_run = os.path.join(os.path.dirname(sys.executable), "rdzv-run")
+    proc = subprocess.run([rdzv_run, "--rdzv", url, "--rdzv-conf", "last_call_timeout=0.5", "--no-python", "/bin/true"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = parse_log.read_text().split("\n")[:-1]
+    assert sorted(lines) == ["first parse_qsl", "first parse_url", "reexec parse_qsl", "reexec parse_url"], lines

@@ -235,3 +235,13 @@ def test_a_spare_under_a_closed_run_gets_torchs_graceful_exit(base: str) -> None
     assert isinstance(outcome[0], torch_api.RendezvousGracefulExitError), outcome
     members[1].shutdown()
     spare.release()
+
+
+def test_create_handler_takes_a_parsed_url(base: str) -> None:
+    from rdzv_core import parse_backend_url
+
+    _, parsed = parse_backend_url(_url(base, min_nodes=1, max_nodes=1))
+    handler = create_handler(parsed, local_addr="127.0.0.1")
+    assert handler.get_run_id() == parsed.run_id and handler.params.last_call_timeout == 0.3
+    assert handler.next_rendezvous().world_size == 1
+    assert handler.shutdown() is True

@@ -145,3 +145,29 @@ def test_a_bad_rdzv_id_is_blamed_on_the_run_id_not_the_endpoint(run_id: str) -> 
     with pytest.raises(InvalidURLError) as info:
         handler_url("file", params)
     assert info.value.field == "rdzv_id"
+
+
+def test_torchrun_parameters_build_the_url_without_parsing_text() -> None:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_core import InvalidURLError
+    from rdzv_core.torchrun import rendezvous_url
+
+    params = RendezvousParameters(backend="rdzv-redis", endpoint="u:p%40w@127.0.0.1,[::1]:7", run_id="job",
+                                  min_nodes=1, max_nodes=2, db="3")
+    url = rendezvous_url("redis", params)
+    assert (url.hosts, url.username, url.password) == ((("127.0.0.1", 6379), ("::1", 7)), "u", "p@w")
+    assert dict(url.params) == {"min_nodes": 1, "max_nodes": 2, "db": 3}
+    params = RendezvousParameters(backend="rdzv-redis", endpoint="h:1/", run_id="job", min_nodes=1, max_nodes=1)
+    assert rendezvous_url("redis", params).hosts == (("h", 1),)
+    params = RendezvousParameters(backend="rdzv-redis", endpoint="h:1/x", run_id="job", min_nodes=1, max_nodes=1)
+    with pytest.raises(InvalidURLError) as info:
+        rendezvous_url("redis", params)
+    assert info.value.field == "rdzv_endpoint"
+    params = RendezvousParameters(backend="rdzv-file", endpoint="/tmp/a%20b/", run_id="job", min_nodes=1, max_nodes=1)
+    assert rendezvous_url("file", params).path == "tmp/a%20b"  # the directory as given
+    for endpoint in ("/tmp//x", "/tmp/../x"):
+        params = RendezvousParameters(backend="rdzv-file", endpoint=endpoint, run_id="job", min_nodes=1, max_nodes=1)
+        with pytest.raises(InvalidURLError) as info:
+            rendezvous_url("file", params)
+        assert info.value.field == "path"

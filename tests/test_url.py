@@ -223,3 +223,38 @@ def test_ipv6_zone_ids_reach_real_servers() -> None:
                     assert entry is not None and entry.value == scheme.encode()
         finally:
             server.stop()
+
+
+def test_with_params_sets_keys_by_any_alias_with_the_urls_converters() -> None:
+    from rdzv_core import parse_backend_url
+
+    _, url = parse_backend_url("etcd-v3://h/job?min_workers=2&timeout=7")
+    assert url.key_name("min_nodes") == "min_workers"
+    out = url.with_params({"join_timeout": "9", "max_nodes": 3, "cacert": "/ca.pem"})  # etcd-v3's own key
+    assert dict(out.params) == {"min_nodes": 2, "timeout": 9.0, "max_nodes": 3, "cacert": "/ca.pem"}
+    assert out.key_name("timeout") == "join_timeout" and dict(url.params) == {"min_nodes": 2, "timeout": 7.0}
+    assert dict(url.with_params({"min_nodes": "5", "max_nodes": "6"}, replace=False).params) == {
+        "min_nodes": 2, "timeout": 7.0, "max_nodes": 6}
+    for values, field in (({"min_nodes": "0"}, "min_nodes"), ({"nope": "1"}, "nope"),
+                          ({"max_workers": "1"}, "min_workers"),
+                          ({"timeout": "1", "join_timeout": "2"}, "join_timeout")):
+        with pytest.raises(InvalidURLError) as info:
+            url.with_params(values)
+        assert info.value.field == field, values
+    with pytest.raises(InvalidURLError):  # a key of another backend
+        parse_url("file:///d/job").with_params({"cacert": "/ca.pem"})
+
+
+def test_a_parsed_url_is_checked_against_its_backend_not_parsed_again() -> None:
+    from rdzv_core import parse_backend_url
+
+    _, url = parse_backend_url(RendezvousURL("redis", (("h", None),), "", "job", {"db": 3}))
+    assert url.hosts == (("h", 6379),) and url.query_keys  # the default port; redis's keys for with_params
+    for built, field in ((RendezvousURL("redis", (("h", 1),), "", "job", {"nope": "x"}), "nope"),
+                         (RendezvousURL("redis", (("h", 1),), "team", "job"), "path"),
+                         (RendezvousURL("etcd-v3", (), "", "job"), "host"),
+                         (RendezvousURL("file", (), "d", ".."), "run_id"),
+                         (RendezvousURL("file", (), "d", "job", {}, "u", "pw"), "user")):
+        with pytest.raises(InvalidURLError) as info:
+            parse_backend_url(built)
+        assert info.value.field == field, built
