@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from rdzv_core.errors import BackendTimeout, BackendUnavailable, KeyExists, KeyNotFound, KVError, ValueTooLarge
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
@@ -168,12 +168,8 @@ class EtcdV3Backend(KVBackend):
         k = v3_key(key)
         request = txn_request(transactions.Version(k) == 0, put_request(k, value, lease), k)
         tries = self._net.tries()
-        try:
-            answer = self._txn(request, deadline, f"create {key!r}", tries)
-        except BaseException as exc:
-            self._revoke(lease, deadline)
-            _raise_if_too_large(exc, key, value)
-            raise
+        answer = self._on_lease(lease, deadline, key, value,
+                                lambda: self._txn(request, deadline, f"create {key!r}", tries))
         if not answer.succeeded:
             kvs = answer.responses[0].response_range.kvs
             if tries.maybe_applied and not (kvs and tries.predates(int(kvs[0].create_revision))):
@@ -189,15 +185,24 @@ class EtcdV3Backend(KVBackend):
         deadline = self._deadline()
         lease = self._grant(ttl, deadline)
         request = put_request(v3_key(key), value, lease)
+        answer = self._on_lease(lease, deadline, key, value, lambda: self._net.call(
+            lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline, what=f"put {key!r}"))
+        self._revoke_replaced(answer.prev_kv, lease, deadline)
+        return Entry(key, value, int(answer.header.revision))
+
+    def _on_lease(self, lease: int, deadline: Deadline, key: str, value: bytes, send: Callable[[], Any]) -> Any:
+        """``send()`` a write of ``value`` on the new ``lease``, revoked if the write fails.
+
+        Raises:
+            ValueTooLarge: etcd refused the write as too large (nothing was written);
+            whatever else ``send`` raised.
+        """
         try:
-            answer = self._net.call(lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline,
-                                what=f"put {key!r}")
+            return send()
         except BaseException as exc:
             self._revoke(lease, deadline)
             _raise_if_too_large(exc, key, value)
             raise
-        self._revoke_replaced(answer.prev_kv, lease, deadline)
-        return Entry(key, value, int(answer.header.revision))
 
     def _revoke_replaced(self, prev_kv: Any, new_lease: int, deadline: Deadline) -> None:
         """After a write replaced ``prev_kv``, revoke the lease it had (one lease per key)."""
@@ -214,12 +219,8 @@ class EtcdV3Backend(KVBackend):
         k = v3_key(key)
         request = txn_request(transactions.Mod(k) == expected_revision, put_request(k, value, lease), k)
         tries = self._net.tries()
-        try:
-            answer = self._txn(request, deadline, f"compare_and_swap {key!r}", tries)
-        except BaseException as exc:
-            self._revoke(lease, deadline)
-            _raise_if_too_large(exc, key, value)
-            raise
+        answer = self._on_lease(lease, deadline, key, value,
+                                lambda: self._txn(request, deadline, f"compare_and_swap {key!r}", tries))
         if not answer.succeeded:
             kvs = answer.responses[0].response_range.kvs
             if tries.maybe_applied and not (kvs and tries.predates(int(kvs[0].mod_revision))):
@@ -410,8 +411,8 @@ class EtcdV3Backend(KVBackend):
         else:
             raise StreamError(grpc.StatusCode.UNAVAILABLE, "the watch stream failed at once, thrice")
         try:
-            # Exactly the call's timeout: no floor. A floor (it was 50 ms) made every short watch end at
-            # the same moment, which defeated the rendezvous's jittered setup stagger (all nodes created).
+            # Exactly the call's timeout, no floor: a floor makes every short watch end at the same moment,
+            # which defeats the rendezvous's jittered setup stagger.
             sub.woken.wait(max(poll.remaining(), 0.0))
         finally:
             stream.unsubscribe(sub)
