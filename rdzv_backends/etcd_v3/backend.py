@@ -86,7 +86,7 @@ class EtcdV3Backend(KVBackend):
 
     def _txn(self, request: Any, deadline: Deadline, what: str, tries: Tries | None = None) -> Any:
         return self._net.call(lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md), deadline,
-                          what=what, tries=tries)
+                              what=what, tries=tries)
 
     # -- leases --------------------------------------------------------------------
     def _grant(self, ttl: float | None, deadline: Deadline) -> int:
@@ -95,7 +95,7 @@ class EtcdV3Backend(KVBackend):
             return 0
         request = etcdrpc.LeaseGrantRequest(TTL=ttl_seconds(ttl))
         answer = self._net.call(lambda ep, t, md: ep.lease.LeaseGrant(request, timeout=t, metadata=md), deadline,
-                            what="lease grant")
+                                what="lease grant")
         if answer.error:
             raise KVError(f"etcd refused a lease of {ttl_seconds(ttl)} s: {answer.error}")
         if answer.TTL > request.TTL:  # etcd raised it to its minimum lease TTL
@@ -109,7 +109,7 @@ class EtcdV3Backend(KVBackend):
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
         try:
             self._net.call(lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md),
-                       Deadline(min(2.0, deadline.remaining())), what="lease revoke")
+                           Deadline(min(2.0, deadline.remaining())), what="lease revoke")
         except (BackendUnavailable, ServerError) as exc:
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
@@ -128,7 +128,7 @@ class EtcdV3Backend(KVBackend):
     def _get_kv(self, key: str, deadline: Deadline) -> Any | None:
         request = range_request(v3_key(key))
         answer = self._net.call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), deadline,
-                            what=f"get {key!r}")
+                                what=f"get {key!r}")
         return answer.kvs[0] if answer.kvs else None
 
     def _do_get(self, key: str) -> Entry | None:
@@ -146,7 +146,7 @@ class EtcdV3Backend(KVBackend):
             return None
         request = etcdrpc.LeaseTimeToLiveRequest(ID=int(kv.lease))
         answer = self._net.call(lambda ep, t, md: ep.lease.LeaseTimeToLive(request, timeout=t, metadata=md), deadline,
-                            what="lease time-to-live")
+                                what="lease time-to-live")
         if int(answer.TTL) < 0:  # the lease ran out since the read
             raise KeyNotFound(f"key {key!r} not found (expired)", key)
         return float(answer.TTL)
@@ -253,7 +253,7 @@ class EtcdV3Backend(KVBackend):
         request = etcdrpc.DeleteRangeRequest(key=v3_key(key), prev_kv=True)
         deadline = self._deadline()
         answer = self._net.call(lambda ep, t, md: ep.kv.DeleteRange(request, timeout=t, metadata=md),
-                            deadline, what=f"delete {key!r}")
+                                deadline, what=f"delete {key!r}")
         for prev in answer.prev_kvs:
             self._revoke_replaced(prev, 0, deadline)
         return int(answer.deleted) > 0

@@ -1,12 +1,5 @@
-"""gRPC and ``python3-etcd3``'s generated stubs, imported once for the etcd-v3 backend.
-
-Before ``import grpc``: gRPC's fork handlers are turned off unless the user set
-``GRPC_ENABLE_FORK_SUPPORT`` (the agent forks its workers while a watch stream is open; the handlers then
-ran in the child, which only execs, and aborted about 1 in 5 loaded worker starts with "epoll_wait error:
-Bad file descriptor"), and gRPC's C-core log is silenced unless the user set ``GRPC_VERBOSITY`` or
-``GRPC_TRACE`` (dozens of lines per failed TLS handshake; every failure it reports is in the backend's errors).
-Only the stubs (``etcd3.etcdrpc``) and comparisons (``etcd3.transactions``) are used, not ``etcd3.Client``.
-"""
+"""gRPC and ``python3-etcd3``'s stubs, imported once, after turning gRPC's fork handlers and C-core log off
+unless the user set them (why: ``docs/backends/etcd-v3.md``, "gRPC in forking processes")."""
 
 from __future__ import annotations
 

@@ -62,19 +62,12 @@ class _ServerWatch:
 class WatchStream:
     """ONE bidirectional gRPC ``Watch`` stream on an endpoint, carrying the watches of all its callers.
 
-    etcd multiplexes watches on a stream (``api/etcdserverpb/rpc.proto``,
-    ``Watch``): each ``WatchCreateRequest`` is answered by a ``created``
-    response carrying the new watch's ID, in request order -- pending creates
-    are matched first in, first out; events and cancellations carry the ID;
-    ``WatchCancelRequest`` ends a watch. Calls of one key range and one
-    ``after_revision`` share one server watch while it has delivered nothing,
-    so a thousand agents waiting on the same state cost etcd one watch. A
-    daemon thread per stream reads the responses and wakes the callers
-    (:class:`_Subscriber`); a watch nobody waits on any more is cancelled on
-    the server. When the stream fails (server lost, connection reset, channel
-    closed) every caller on it is woken with a :class:`StreamError` and
-    retries as any RPC does, on a new stream (``Transport.call``). State
-    is guarded by ``lock``.
+    etcd answers each ``WatchCreateRequest`` on a stream with a ``created`` response carrying the watch's ID,
+    in request order (``api/etcdserverpb/rpc.proto``, ``Watch``), so pending creates are matched first in,
+    first out; events and cancellations carry the ID. Calls of one key range and ``after_revision`` share one
+    server watch while it has delivered nothing; a daemon thread reads the responses and wakes the callers
+    (:class:`_Subscriber`); a watch nobody waits on is cancelled on the server. When the stream fails, every
+    caller on it is woken with a :class:`StreamError` and retries on a new stream. State is guarded by ``lock``.
 
     Args:
         stub: the endpoint's ``etcdrpc.WatchStub``.
