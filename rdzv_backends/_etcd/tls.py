@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import socket
 import ssl
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from rdzv_core.errors import InvalidURLError
 
-from .budget import Deadline
+if TYPE_CHECKING:
+    from .budget import Deadline
 
 __all__ = ["TLSSettings", "tls_context", "check_tls"]
 
