@@ -1,9 +1,7 @@
-"""The multiplexed etcd v3 watch stream of :mod:`rdzv_backends.etcd_v3`.
+"""The multiplexed etcd v3 watch stream: one gRPC ``Watch`` stream per endpoint for every caller.
 
-One bidirectional gRPC ``Watch`` stream per endpoint carries the watches of every
-caller of one backend (see :class:`_WatchStream`); this module holds the stream,
-its per-call subscribers and the decoding of watch events into the KV protocol's
-:class:`~rdzv_core.kv.Event`.
+:class:`WatchStream` holds the stream, its dispatcher thread and the per-call subscribers; calls of one key
+range and revision share one server watch (``docs/backends/etcd-v3.md``, "Watch").
 """
 
 from __future__ import annotations
@@ -11,17 +9,19 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-from rdzv_core.errors import HistoryCompacted, InvalidKeyError, KVError
-from rdzv_core.kv import Event, EventType, check_key
+from rdzv_core.errors import HistoryCompacted, KVError
+from rdzv_core.kv import Event
 
-if TYPE_CHECKING:
-    from .etcd_v3 import EtcdV3Backend, _Endpoint
+from .client import etcdrpc, grpc
+from .keys import watch_event
+
+__all__ = ["StreamError", "WatchStream"]
 
 
-class _StreamError(Exception):
-    """A failed watch stream as one waiting call sees it; read like ``grpc.RpcError`` by ``EtcdV3Backend._call``."""
+class StreamError(Exception):
+    """A failed watch stream as one waiting call sees it; read like ``grpc.RpcError`` by ``Transport.call``."""
 
     def __init__(self, code: Any, details: str) -> None:
         super().__init__(details)
@@ -59,43 +59,34 @@ class _ServerWatch:
         self.done = False  # delivered, failed or given up: it takes no new subscribers
 
 
-class _WatchStream:
+class WatchStream:
     """ONE bidirectional gRPC ``Watch`` stream on an endpoint, carrying the watches of all its callers.
 
-    etcd multiplexes watches on a stream (``api/etcdserverpb/rpc.proto``,
-    ``Watch``): each ``WatchCreateRequest`` is answered by a ``created``
-    response carrying the new watch's ID, in request order -- pending creates
-    are matched first in, first out; events and cancellations carry the ID;
-    ``WatchCancelRequest`` ends a watch. Calls of one key range and one
-    ``after_revision`` share one server watch while it has delivered nothing,
-    so a thousand agents waiting on the same state cost etcd one watch. A
-    daemon thread per stream reads the responses and wakes the callers
-    (:class:`_Subscriber`); a watch nobody waits on any more is cancelled on
-    the server. When the stream fails (server lost, connection reset, channel
-    closed) every caller on it is woken with a :class:`_StreamError` and
-    retries as any RPC does, on a new stream (``EtcdV3Backend._call``). State
-    is guarded by ``lock``.
+    etcd answers each ``WatchCreateRequest`` on a stream with a ``created`` response carrying the watch's ID,
+    in request order (``api/etcdserverpb/rpc.proto``, ``Watch``), so pending creates are matched first in,
+    first out; events and cancellations carry the ID. Calls of one key range and ``after_revision`` share one
+    server watch while it has delivered nothing; a daemon thread reads the responses and wakes the callers
+    (:class:`_Subscriber`); a watch nobody waits on is cancelled on the server. When the stream fails, every
+    caller on it is woken with a :class:`StreamError` and retries on a new stream. State is guarded by ``lock``.
 
     Args:
-        backend: the owner (for its gRPC modules).
-        ep: the endpoint whose channel carries the stream.
+        stub: the endpoint's ``etcdrpc.WatchStub``.
+        target: the endpoint (``HOST:PORT``), for messages and the thread's name.
         metadata: gRPC metadata (the auth token) the stream is opened with.
     """
 
-    def __init__(self, backend: EtcdV3Backend, ep: _Endpoint, metadata: Any) -> None:
-        self._rpc = backend._rpc
-        self._grpc = backend._grpc
-        self.ep = ep
+    def __init__(self, stub: Any, target: str, metadata: Any) -> None:
+        self.target = target
         self.metadata = metadata
         self.lock = threading.Lock()
-        self.failure: _StreamError | None = None  # set once the stream ended
+        self.failure: StreamError | None = None  # set once the stream ended
         self.retired = False  # takes no new watches; ended once idle
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()  # None ends the request stream
         self._pending: collections.deque[_ServerWatch] = collections.deque()  # creates not yet answered
         self._active: dict[int, _ServerWatch] = {}  # watch ID -> watch
         self._shared: dict[tuple[bytes, bytes, int], _ServerWatch] = {}  # watches that take subscribers
-        self._call = ep.watch.Watch(iter(self._requests.get, None), metadata=metadata)
-        threading.Thread(target=self._dispatch, name=f"rdzv-etcd-watch {ep.target}", daemon=True).start()
+        self._call = stub.Watch(iter(self._requests.get, None), metadata=metadata)
+        threading.Thread(target=self._dispatch, name=f"rdzv-etcd-watch {target}", daemon=True).start()
 
     # -- the callers' side (any thread) ------------------------------------------------------
     def subscribe(self, start: bytes, end: bytes, after: int) -> _Subscriber | None:
@@ -108,8 +99,8 @@ class _WatchStream:
             if watch is None:
                 watch = self._shared[key] = _ServerWatch(key)
                 self._pending.append(watch)  # in the order of the requests: etcd answers creates in order
-                create = self._rpc.WatchCreateRequest(key=start, range_end=end, start_revision=after + 1)
-                self._requests.put(self._rpc.WatchRequest(create_request=create))
+                create = etcdrpc.WatchCreateRequest(key=start, range_end=end, start_revision=after + 1)
+                self._requests.put(etcdrpc.WatchRequest(create_request=create))
             sub = _Subscriber(watch)
             watch.subscribers.add(sub)
             return sub
@@ -131,16 +122,15 @@ class _WatchStream:
 
     # -- the dispatcher's side ----------------------------------------------------------------
     def _dispatch(self) -> None:
-        grpc = self._grpc
         try:
             for answer in self._call:
                 with self.lock:
                     self._route(answer)
-            failure = _StreamError(grpc.StatusCode.UNAVAILABLE, f"etcd at {self.ep.target} ended the watch stream")
+            failure = StreamError(grpc.StatusCode.UNAVAILABLE, f"etcd at {self.target} ended the watch stream")
         except grpc.RpcError as exc:
-            failure = _StreamError(exc.code(), exc.details() or "")
+            failure = StreamError(exc.code(), exc.details() or "")
         except Exception as exc:  # noqa: BLE001 -- ends the stream; its callers must be woken, not left hanging
-            failure = _StreamError(grpc.StatusCode.UNKNOWN, f"watch stream failed: {exc!r}")
+            failure = StreamError(grpc.StatusCode.UNKNOWN, f"watch stream failed: {exc!r}")
         with self.lock:
             self.failure = failure
             watches = [*self._pending, *self._active.values(), *self._shared.values()]
@@ -148,7 +138,7 @@ class _WatchStream:
             self._active.clear()
             self._shared.clear()
             for watch in watches:
-                self._wake(watch, lambda: _StreamError(failure.code(), failure.details()))
+                self._wake(watch, lambda: StreamError(failure.code(), failure.details()))
         self._requests.put(None)  # ends gRPC's request thread
         self._call.cancel()
 
@@ -175,7 +165,7 @@ class _WatchStream:
             self._wake(found, self._refusal(answer, found))
             return
         after = found.key[2]
-        events = [e for ev in answer.events if ev.kv.mod_revision > after and (e := _event(ev)) is not None]
+        events = [e for ev in answer.events if ev.kv.mod_revision > after and (e := watch_event(ev)) is not None]
         if events:
             for sub in found.subscribers:
                 sub.events = list(events)
@@ -193,8 +183,8 @@ class _WatchStream:
         reason = answer.cancel_reason
         if "auth token" in reason or "Unauthenticated" in reason:
             self.retired = True  # a new stream carries the renewed token
-            return lambda: _StreamError(self._grpc.StatusCode.UNAUTHENTICATED, reason)
-        return lambda: KVError(f"etcd at {self.ep.target} cancelled the watch of {prefix!r}: {reason}")
+            return lambda: StreamError(grpc.StatusCode.UNAUTHENTICATED, reason)
+        return lambda: KVError(f"etcd at {self.target} cancelled the watch of {prefix!r}: {reason}")
 
     # -- helpers (``lock`` held) -------------------------------------------------------------
     def _wake(self, watch: _ServerWatch, error: Callable[[], BaseException] | None) -> None:
@@ -216,26 +206,8 @@ class _WatchStream:
 
     def _cancel(self, watch_id: int) -> None:
         if self.failure is None:
-            self._requests.put(self._rpc.WatchRequest(cancel_request=self._rpc.WatchCancelRequest(watch_id=watch_id)))
+            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _end_if_idle(self) -> None:
         if self.retired and self.failure is None and not self._active and not self._pending:
             self._call.cancel()  # the dispatcher sees CANCELLED and ends the stream
-
-
-def _key(raw: bytes) -> str | None:
-    """Our key for a v3 key (``b"/a/b"`` -> ``"a/b"``); ``None`` for keys another program wrote
-    that no key of ours can be (not UTF-8, or outside the key grammar)."""
-    try:
-        return check_key(bytes(raw).decode("utf-8")[1:])
-    except (UnicodeDecodeError, InvalidKeyError):
-        return None
-
-
-def _event(ev: Any) -> Event | None:
-    key = _key(ev.kv.key)
-    if key is None:
-        return None
-    if ev.type == 1:  # mvccpb.Event.DELETE
-        return Event(EventType.DELETE, key, int(ev.kv.mod_revision))
-    return Event(EventType.PUT, key, int(ev.kv.mod_revision), bytes(ev.kv.value))
