@@ -27,8 +27,9 @@ from rdzv_core import InvalidURLError, open_backend
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary on PATH")
 
 SCHEMES = ["etcd-v2", "etcd-v3"]
-#: The error must come this fast (seconds); the default operation_timeout is 10 s.
-FAST = 1.0
+#: The error must come this fast (seconds): it comes in about 0.01 s (docs/reliability.md), the old code took
+#: the default operation_timeout (10 s); the rest is slack for a loaded CI machine.
+FAST = 2.0
 #: A gRPC C-core log line: severity letter, MMDD, time, thread id, file:line].
 CORE_LOG_LINE = re.compile(r"^[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\]", re.MULTILINE)
 

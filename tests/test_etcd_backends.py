@@ -1262,23 +1262,6 @@ def test_v3_workers_forked_during_a_watch_start_cleanly(etcd: EtcdServer) -> Non
     assert done.stdout.strip() == "0", f"{done.stdout.strip()} of 200 forked children failed"
 
 
-def test_opening_memory_imports_no_etcd_backend_nor_client() -> None:
-    """The etcd plugins register with their BackendSpec only: opening ``memory://`` (which loads every
-    plugin) imports neither backend module nor python-etcd, urllib3, etcd3 or gRPC (a fresh interpreter)."""
-    probe = (
-        "import sys, rdzv_core\n"
-        "rdzv_core.open_backend('memory://imports/').close()\n"
-        "assert {'etcd-v2', 'etcd-v3'} <= set(rdzv_core.list_backends()), 'the etcd plugins are registered'\n"
-        "print('\\n'.join(sorted(sys.modules)))\n"
-    )
-    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
-    loaded = result.stdout.split()
-    assert "rdzv_backends.etcd_v2" in loaded and "rdzv_backends.etcd_v3" in loaded, "the plugin packages are loaded"
-    implementation = [m for m in loaded if m.startswith(("rdzv_backends.etcd_v2.", "rdzv_backends.etcd_v3."))]
-    clients = [m for m in loaded if m.split(".")[0] in ("etcd", "etcd3", "grpc", "urllib3")]
-    assert implementation == [] and clients == [], f"opening memory:// imported {implementation + clients}"
-
-
 def test_old_import_paths_keep_working() -> None:
     """``rdzv_backends.etcd_v2.EtcdV2Backend``, ``rdzv_backends.etcd_v3.EtcdV3Backend`` (lazy, PEP 562) and the
     names of the former ``rdzv_backends._etcd_common``."""

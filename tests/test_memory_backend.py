@@ -205,7 +205,7 @@ def test_one_event_reaches_every_watch_of_its_prefix(name: str) -> None:
 
 def test_opening_memory_imports_no_other_backend() -> None:
     """``memory://`` imports its own implementation only: no client library, no implementation
-    module of the file or Redis backends (their packages' ``__init__`` is the registration)."""
+    module of another built-in backend (their packages' ``__init__`` is the registration)."""
     code = (
         "import sys, rdzv_core; rdzv_core.open_backend('memory://x/').close(); "
         "print('\\n'.join(sorted(sys.modules)))"
@@ -214,8 +214,10 @@ def test_opening_memory_imports_no_other_backend() -> None:
     assert out.returncode == 0, out.stderr
     loaded = set(out.stdout.split())
     assert "rdzv_backends.memory.backend" in loaded
-    clients = {"redis", "sqlite3", "_sqlite3", "etcd", "etcd3", "grpc"}
+    assert {"rdzv_backends.etcd_v2", "rdzv_backends.etcd_v3", "rdzv_backends.redis"} <= loaded  # registered
+    clients = {"redis", "sqlite3", "_sqlite3", "etcd", "etcd3", "grpc", "urllib3"}
     assert not loaded & clients, loaded & clients
-    others = [m for m in loaded if m.startswith(("rdzv_backends.file.", "rdzv_backends.redis.", "redis."))]
+    others = [m for m in loaded if m.startswith(("rdzv_backends.file.", "rdzv_backends.redis.", "redis.",
+                                                 "rdzv_backends.etcd_v2.", "rdzv_backends.etcd_v3."))]
     assert others == [], others
 

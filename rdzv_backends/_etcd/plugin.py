@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Any, Callable, Collection
+from typing import Callable
 
 from rdzv_core.kv import Capabilities, KVBackend
 from rdzv_core.plugins import BackendSpec
@@ -11,7 +11,7 @@ from rdzv_core.url import RendezvousURL
 
 from .settings import DEFAULT_PORT, QUERY_KEYS, EtcdSettings
 
-__all__ = ["etcd_spec", "lazy_names"]
+__all__ = ["etcd_spec"]
 
 
 def etcd_spec(
@@ -33,19 +33,3 @@ def etcd_spec(
     open_etcd.__qualname__ = open_etcd.__name__ = f"open_{schemes[0].replace('-', '_')}"
     return BackendSpec(schemes=schemes, open=open_etcd, capabilities=capabilities, default_port=DEFAULT_PORT,
                        query_keys=QUERY_KEYS, requires_host=True, description=description)
-
-
-def lazy_names(package: str, module: str, names: Collection[str]) -> Callable[[str], Any]:
-    """A PEP 562 module ``__getattr__`` for ``package`` that imports ``module`` (relative, e.g. ``".backend"``)
-    at the first use of one of ``names``.
-
-    Raises (from the returned function):
-        AttributeError: ``name`` is not one of ``names``.
-    """
-
-    def __getattr__(name: str) -> Any:
-        if name in names:
-            return getattr(importlib.import_module(module, package), name)
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-
-    return __getattr__

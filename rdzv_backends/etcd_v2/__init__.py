@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING
 
 from rdzv_core.plugins import backend_plugin
 
-from .._etcd.plugin import etcd_spec, lazy_names
+from .._etcd.plugin import etcd_spec
+from .._lazy import lazy_attributes
 from .._etcd.settings import V2_CAPABILITIES
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["EtcdV2Backend", "POOL_CONNECTIONS", "plugin"]
 
 #: The backend's public names, imported on first use: they pull in ``python-etcd``.
-__getattr__ = lazy_names(__name__, ".backend", ("EtcdV2Backend", "POOL_CONNECTIONS"))
+__getattr__ = lazy_attributes(__name__, dict.fromkeys(("EtcdV2Backend", "POOL_CONNECTIONS"), __name__ + ".backend"))
 
 #: Registers ``etcd-v2://`` and ``etcd://`` through the ``rdzv`` entry point.
 plugin = backend_plugin(
