@@ -48,6 +48,10 @@ __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
+#: Seconds before a wait's deadline within which a backend timeout counts as the wait's own timeout.
+_CUT_SLACK = 0.05
+
+
 def _seconds(timeout: datetime.timedelta) -> float | None:
     """A c10d timeout in seconds; ``None`` for zero or less (c10d's kNoTimeout: wait forever)."""
     seconds = timeout.total_seconds()
@@ -102,8 +106,8 @@ class KVStore(dist.Store):
             with deadline(_seconds(limit)):
                 yield
         except BackendTimeout as exc:
-            raise dist.DistStoreError(f"store {what} under {self._prefix!r} did not finish within {limit}: "
-                                      f"{exc}") from exc
+            within = f"within {limit}" if _seconds(limit) is not None else "(no Store timeout: the backend's own)"
+            raise dist.DistStoreError(f"store {what} under {self._prefix!r} did not finish {within}: {exc}") from exc
         except (BackendUnavailable, BackendClosed) as exc:
             raise dist.DistNetworkError(f"store {what} under {self._prefix!r}: {exc}") from exc
 
@@ -256,8 +260,15 @@ class KVStore(dist.Store):
             entries = [found.get(k) for k in wanted]
             if all(e is not None for e in entries):
                 continue
-            if not wait_for_change(self._kv, self._prefix, revision, until):
+            cut: BackendTimeout | None = None
+            try:
+                changed = wait_for_change(self._kv, self._prefix, revision, until)
+            except BackendTimeout as exc:  # the watch's own request, cut at our deadline: the keys' timeout
+                if time.monotonic() < until - _CUT_SLACK:
+                    raise
+                changed, cut = False, exc
+            if not changed:
                 missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
                 raise dist.DistStoreError(
                     f"timed out after {seconds:.3f} s waiting for store keys {missing!r:.200} under {self._prefix!r}"
-                )
+                ) from cut
