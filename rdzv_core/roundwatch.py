@@ -18,7 +18,14 @@ import random
 import threading
 from dataclasses import dataclass
 
-from .errors import BackendClosed, BackendUnavailable, CompareFailed, HistoryCompacted, KeyNotFound, RdzvError
+from .errors import (
+    BackendClosedError,
+    BackendUnavailableError,
+    CompareFailedError,
+    HistoryCompactedError,
+    KeyNotFoundError,
+    RdzvError,
+)
 from .kv import EventType, KVBackend
 from .outage import OutageLog
 from .rendezvous.record import RunKeys, missing_ranks
@@ -102,13 +109,13 @@ class _RoundWatch:
                     revision = max(revision, max(e.revision for e in events))
                     if any(e.type is EventType.DELETE for e in events):
                         revision = None  # a key went away: look again
-            except HistoryCompacted:
+            except HistoryCompactedError:
                 revision = None
-            except BackendClosed:
+            except BackendClosedError:
                 with self.lock:
                     self.dead.append(kv)  # that subscriber's client is gone: go on with another one's
                 revision = None
-            except BackendUnavailable as exc:
+            except BackendUnavailableError as exc:
                 outage.failed("round watch of run %s version %d: backend unavailable, retrying: %s",
                               self.watched.run_id, self.watched.version, exc)
                 revision = None
@@ -138,7 +145,7 @@ class _RoundWatch:
             kv.compare_and_delete(k.keys.round_record, k.final_revision)
             log.info("run=%s version=%d: destroyed the round: keep-alive of rank(s) %s lapsed or was deleted",
                      k.run_id, k.version, missing)
-        except (CompareFailed, KeyNotFound):
+        except (CompareFailedError, KeyNotFoundError):
             pass  # destroyed (or replaced) by someone else first
         return None
 
