@@ -321,8 +321,8 @@ class _Monitor:
     def __init__(self, kv: Any, rdzv: Any, check_interval: float) -> None:
         self.kv, self.rdzv, self.check_interval = kv, rdzv, check_interval
         version = rdzv.current.version
-        self.alive_prefix = rdzv._vkey(version, rdzv.current.round_id or None, "alive") + "/"
-        self.state_key = rdzv._state_key
+        self.alive_prefix = rdzv.keys.alive_dir(version, rdzv.current.round_id or None)
+        self.state_key = rdzv.keys.round_record
         entries, self.revision = kv.list(self.alive_prefix)
         self.expected = {e.key for e in entries}
         record = kv.get(self.state_key)

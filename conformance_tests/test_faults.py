@@ -43,7 +43,7 @@ from rdzv_core import (
     ValueTooLarge,
     open_backend,
 )
-from rdzv_core.rendezvous import round_segment
+from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
 from .plugin import backends_opened
 from .test_rendezvous import Agent, crew_of, round_of
@@ -130,7 +130,7 @@ def test_server_restart_mid_rendezvous(server: Any, crew, fast_kv, record_proper
     deadline = time.monotonic() + 30
     while watcher.describe().get("joined", 0) < 2:
         assert time.monotonic() < deadline, f"two agents never joined: {watcher.describe()}"
-        observer.watch(watcher.root + "/", observer.list(watcher.root + "/")[1], 0.5)
+        observer.watch(watcher.keys.tree, observer.list(watcher.keys.tree)[1], 0.5)
     killed = time.monotonic()
     server.kill()
     try:
@@ -312,8 +312,8 @@ def test_final_round_across_a_short_restart(server: Any, crew, fast_kv, capabili
         settle = killed + ttl + _resolution(capabilities) + 0.5  # an unrefreshed key is gone by then
         while time.monotonic() < settle:
             try:
-                revision = observer.list(watcher.root + "/")[1]
-                observer.watch(watcher.root + "/", revision, max(0.0, settle - time.monotonic()))
+                revision = observer.list(watcher.keys.tree)[1]
+                observer.watch(watcher.keys.tree, revision, max(0.0, settle - time.monotonic()))
             except BackendUnavailable:
                 time.sleep(0.05)
         after = _eventually(watcher.describe, time.monotonic() + 10)
@@ -341,24 +341,24 @@ def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_pr
     a round of 3 — keys that were lost are recreated, not assumed.
     """
     run_id = f"lost{uuid.uuid4().hex[:8]}"
-    root = f"torchelastic/p2p/run_{run_id}"
+    keys = RunKeys("torchelastic/p2p", run_id)
     with open_backend("memory://faults/") as kv:
         params = RendezvousParams(min_nodes=3, max_nodes=3, keep_alive_ttl=5, last_call_timeout=LAST_CALL, timeout=4)
         a, b, c = (Agent(kv, run_id, params) for _ in range(3))
         a.start()
         b.start()
         deadline = time.monotonic() + 10
-        while (record := kv.get(root + "/state/round")) is None or b'"id"' not in record.value:
+        while (record := kv.get(keys.round_record)) is None or b'"id"' not in record.value:
             assert time.monotonic() < deadline, "round 1 was never set up"
-            kv.watch(root + "/", kv.list(root + "/")[1], 0.2)
-        joined = f"{root}/{round_segment(1, json.loads(record.value)['id'])}/joined"
+            kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
+        joined = keys.joined(1, json.loads(record.value)["id"])
         while (entry := kv.get(joined)) is None or entry.value != b"2":
             assert time.monotonic() < deadline, "two agents never joined round 1"
-            kv.watch(root + "/", kv.list(root + "/")[1], 0.2)
-        for lost in (root + "/counter/version", joined):  # lost with the rest of the keys...
+            kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
+        for lost in (keys.version_counter, joined):  # lost with the rest of the keys...
             kv.delete(lost)
-        kv.add(root + "/counter/version", 1)  # ...and round 1 set up anew by the first agent to look
-        kv.put(root + "/state/round", b'{"status": "joinable", "version": 1}')
+        kv.add(keys.version_counter, 1)  # ...and round 1 set up anew by the first agent to look
+        kv.put(keys.round_record, RoundRecord(Status.JOINABLE, 1).encode())
         c.start()
         try:
             round_of([a, b, c], 15)
@@ -386,7 +386,7 @@ def test_after_the_run_keys_are_lost_the_old_round_never_reaches_the_new_ones_ke
         first = a.next_round()
         old_store = KVStore(kv, a.store_prefix(first.version), datetime.timedelta(seconds=5))
         old_store.set("MASTER_ADDR", b"old-host")
-        for entry in kv.list(a.root + "/")[0]:  # the loss
+        for entry in kv.list(a.keys.tree)[0]:  # the loss
             kv.delete(entry.key)
         second = b.next_round()
         assert (second.version, second.rank, second.world_size) == (first.version, 0, 1)  # version 1 again
@@ -399,7 +399,7 @@ def test_after_the_run_keys_are_lost_the_old_round_never_reaches_the_new_ones_ke
             time.sleep(0.05)
         old_store.set("late", b"from the old round")  # ...and A's round Store still writes
         assert not new_store.check(["MASTER_ADDR"]) and not new_store.check(["late"])
-        alive = b.kv.list(b._vkey(second.version, second.round_id, "alive") + "/")[0]
+        alive = b.kv.list(b.keys.alive_dir(second.version, second.round_id))[0]
         assert [json.loads(e.value)["node"] for e in alive] == [b.node_id]
     finally:
         a.leave()
@@ -421,7 +421,7 @@ CORRUPT_RECORDS = {
 
 
 def _reset(url: str) -> int:
-    from rdzv_core.cli import main
+    from rdzv_core.admin_cli import main
 
     return main(["reset", url, "--yes"])
 
@@ -443,7 +443,7 @@ def test_corrupt_round_record_names_the_key_and_reset_recovers(garbage: Any, kv:
         garbage = bytes(range(256)) * (size // 256)
     url = rdzv_url()
     run_id = url.split("?")[0].rsplit("/", 1)[1]
-    key = f"torchelastic/p2p/run_{run_id}/state/round"
+    key = RunKeys("torchelastic/p2p", run_id).round_record
     kv.put(key, garbage)
     _assert_state_error_then_reset(kv, url, key, garbage, record_property)
 
@@ -473,7 +473,7 @@ def test_participants_above_max_is_a_state_error(status: str, record_property) -
     """
     run_id = f"above{uuid.uuid4().hex[:8]}"
     url = f"memory://faults/{run_id}"
-    key = f"torchelastic/p2p/run_{run_id}/state/round"
+    key = RunKeys("torchelastic/p2p", run_id).round_record
     garbage = b'{"status": "%s", "version": 1, "participants": 5}' % status.encode()
     with open_backend("memory://faults/") as kv:
         kv.put(key, garbage)
@@ -485,15 +485,18 @@ def test_corrupt_counter_is_a_state_error(counter: str, kv: KVBackend, rdzv_url)
     """A counter that is not decimal gives ``RendezvousStateError`` naming it; ``rdzv reset`` recovers."""
     url = rdzv_url()
     run_id = url.split("?")[0].rsplit("/", 1)[1]
-    root = f"torchelastic/p2p/run_{run_id}"
-    if counter.startswith("v_1"):
-        kv.put(root + "/state/round", b'{"status": "joinable", "version": 1}')
-    kv.put(f"{root}/{counter}", b"not a number")
+    keys = RunKeys("torchelastic/p2p", run_id)
+    if counter == "v_1/joined":  # of a round 1 without id
+        kv.put(keys.round_record, RoundRecord(Status.JOINABLE, 1).encode())
+        key = keys.joined(1, None)
+    else:
+        key = keys.version_counter
+    kv.put(key, b"not a number")
     rdzv = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, max_nodes=1, timeout=20, keep_alive_ttl=TTL))
     try:
         with pytest.raises(RendezvousStateError) as info:
             rdzv.next_round()
-        assert info.value.key == f"{root}/{counter}"
+        assert info.value.key == key
     finally:
         assert _reset(url) == 0
     assert rdzv.next_round().world_size == 1

@@ -33,6 +33,7 @@ from rdzv_core import (
     escape_segment,
     unescape_segment,
 )
+from rdzv_core.errors import InvalidArgumentError
 
 pytestmark = pytest.mark.protocol
 
@@ -557,7 +558,7 @@ def test_value_accepts_bytearray_and_memoryview(kv: KVBackend, key_prefix: str) 
     assert kv.put(key_prefix + "a", bytearray(b"ba")).value == b"ba", "values may be given as bytearray"
     assert kv.put(key_prefix + "m", memoryview(b"mv")).value == b"mv", "values may be given as memoryview"
     assert kv.get(key_prefix + "a").value == b"ba", "a bytearray value must be stored as bytes"
-    with raises(InvalidKeyError, "a str value must raise InvalidKeyError"):
+    with raises(InvalidArgumentError, "a str value must raise InvalidArgumentError"):
         kv.put(key_prefix + "s", "text")  # type: ignore[arg-type]
 
 
@@ -678,7 +679,7 @@ def test_invalid_prefixes_rejected(kv: KVBackend, key_prefix: str) -> None:
 )
 def test_invalid_arguments_rejected(kv: KVBackend, key_prefix: str, call: Callable[..., Any]) -> None:
     key = key_prefix + "k"
-    with raises(InvalidKeyError, "an invalid TTL, revision, delta or timeout must raise InvalidKeyError"):
+    with raises(InvalidArgumentError, "an invalid TTL, revision, delta or timeout must raise InvalidArgumentError"):
         call(kv, key)
     assert kv.get(key) is None, "a rejected call must write nothing"
 

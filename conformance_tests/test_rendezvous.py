@@ -25,7 +25,7 @@ from rdzv_core import (
     RendezvousTimeout,
     RoundResult,
 )
-from rdzv_core.rendezvous import round_segment
+from rdzv_core.rendezvous import RunKeys
 
 pytestmark = pytest.mark.rendezvous
 
@@ -217,30 +217,30 @@ def _until(kv: KVBackend, prefix: str, check: Callable[[], bool], timeout: float
 def test_lapsed_keep_alive_key_is_written_again(agents, kv) -> None:
     """A member's keep-alive key vanishes (a backend stall longer than the TTL): its keep-alive writes it again.
 
-    The seed's lease renewal stopped for good at the first lapse, so the member
+    EtcdRendezvous' lease renewal stopped for good at the first lapse, so the member
     vanished from a round it still trained in.
     """
     group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     results = _wait_all(group)
     member, result = group[0], results[0]
-    alive_key = f"{member.rdzv.root}/{round_segment(result.version, result.round_id)}/alive/rank_{result.rank}"
+    alive_key = member.rdzv.keys.alive(result.version, result.round_id, result.rank)
     kv.delete(alive_key)
-    _until(kv, alive_key.rsplit("/", 1)[0] + "/", lambda: kv.get(alive_key) is not None, 10 * TTL,
-           "the lapsed keep-alive key was not written again")
+    _until(kv, member.rdzv.keys.alive_dir(result.version, result.round_id), lambda: kv.get(alive_key) is not None,
+           10 * TTL, "the lapsed keep-alive key was not written again")
 
 
 def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> None:
     """The final round is destroyed while its members train (a late node saw a keep-alive lapse during a stall).
 
     Expected: every member's ``num_nodes_waiting()`` turns >= 1 -- even before the
-    late node has joined the next round -- so its agent re-rendezvouses; the seed
+    late node has joined the next round -- so its agent re-rendezvouses; EtcdRendezvous
     answered 0 (the round record was no longer final) and the late node waited
     alone until its timeout. Then all three form the next round.
     """
     group = [a.start() for a in agents(2, min_nodes=2, max_nodes=3)]
     r1 = _wait_all(group)
     assert [a.rdzv.num_nodes_waiting() for a in group] == [0, 0]
-    state_key = group[0].rdzv.root + "/state/round"
+    state_key = group[0].rdzv.keys.round_record
     entry = kv.get(state_key)
     assert entry is not None
     kv.compare_and_delete(state_key, entry.revision)  # what the late node's destroy does
@@ -260,8 +260,9 @@ def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_i
     Expected: nodes that arrive see no confirmation progress for keep_alive_ttl,
     destroy the round and form a new one.
     """
-    kv.put(f"torchelastic/p2p/run_{run_id}/counter/version", b"1")
-    kv.put(f"torchelastic/p2p/run_{run_id}/state/round",
+    keys = RunKeys("torchelastic/p2p", run_id)
+    kv.put(keys.version_counter, b"1")
+    kv.put(keys.round_record,
            b'{"status": "frozen", "version": 1, "participants": 2, "id": "dead"}')
     t0 = time.monotonic()
     group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
@@ -320,11 +321,11 @@ def test_extra_data(agents) -> None:
      b'{"status": "final", "version": 1, "participants": "x"}', b"\xff" * 5000],
 )
 def test_corrupt_round_record_is_a_state_error(agents, kv, run_id, garbage: bytes) -> None:
-    kv.put(f"torchelastic/p2p/run_{run_id}/state/round", garbage)
+    kv.put(RunKeys("torchelastic/p2p", run_id).round_record, garbage)
     agent = agents(1, min_nodes=1, max_nodes=1)[0]
     with pytest.raises(RendezvousStateError) as info:
         agent.start().wait(10)
-    assert info.value.key == f"torchelastic/p2p/run_{run_id}/state/round"
+    assert info.value.key == f"torchelastic/p2p/run_{run_id}/state/round"  # the key as operators see it
 
 
 def test_two_runs_are_independent(kv_factory) -> None:
@@ -377,7 +378,7 @@ def test_members_notice_a_lost_member_without_a_waiting_node(agents, capabilitie
 
     Expected: the other members' ``num_nodes_waiting()`` turn >= 1 within about the TTL plus the
     backend's expiry resolution -- their own watch of the round's keep-alive keys destroyed it -- so
-    their agents re-form; then they form a round of 2. (The seed left this to waiting nodes: with
+    their agents re-form; then they form a round of 2. (EtcdRendezvous left this to waiting nodes: with
     none, the survivors trained on with a dead peer until their collectives timed out.)
     """
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]

@@ -3,26 +3,30 @@
 ::
 
     RdzvError
-    ├── KVError                      a key-value backend operation failed
-    │   ├── KeyExists                create() on a key that is present
-    │   ├── KeyNotFound              CAS / refresh / compare_and_delete on an absent key
-    │   ├── CompareFailed            the entry's revision is not the expected one
-    │   ├── HistoryCompacted         watch() can no longer serve events after a revision
-    │   ├── ValueTooLarge            a value exceeds the backend's ``max_value_bytes``
-    │   ├── CorruptEntry             stored data this protocol did not write (wrong type, not a counter)
-    │   ├── BackendClosed            the backend was closed by its owner
-    │   └── BackendUnavailable       the server cannot be used right now
+    ├── KVError                          a key-value backend operation failed
+    │   ├── KeyExistsError               create() on a key that is present
+    │   ├── KeyNotFoundError             CAS / refresh / compare_and_delete on an absent key
+    │   ├── CompareFailedError           the entry's revision is not the expected one
+    │   ├── HistoryCompactedError        watch() can no longer serve events after a revision
+    │   ├── ValueTooLargeError           a value exceeds the backend's ``max_value_bytes``
+    │   ├── CorruptEntryError            stored data this protocol did not write (wrong type, not a counter)
+    │   ├── BackendClosedError           the backend was closed by its owner
+    │   └── BackendUnavailableError      the server cannot be used right now
     │       ├── BackendConnectionError   connection refused / lost
-    │       └── BackendTimeout           the server did not answer in time
+    │       └── BackendTimeoutError      the server did not answer in time
     ├── ConfigError (also ValueError)    bad input: names ``field`` and ``value``
-    │   ├── InvalidKeyError          a key or prefix outside the key grammar
-    │   ├── InvalidURLError          a rendezvous URL or one of its query values
-    │   └── UnknownBackendError      no installed backend claims the URL's scheme
-    ├── PluginError                  two distributions claim one scheme
-    ├── RendezvousClosed             the run was closed (``set_closed``)
-    │   └── RendezvousGracefulExit   ... while this node waited as a spare (exit successfully)
-    ├── RendezvousTimeout            no round completed within the overall timeout
-    └── RendezvousStateError         the stored rendezvous state is corrupt
+    │   ├── InvalidArgumentError         a bad argument of a call (TTL, timeout, delta, revision, value)
+    │   │   └── InvalidKeyError          a key or prefix outside the key grammar
+    │   ├── InvalidURLError              a rendezvous URL or one of its query values
+    │   └── UnknownBackendError          no installed backend claims the URL's scheme
+    ├── PluginError                      two distributions claim one scheme
+    ├── RendezvousClosedError            the run was closed (``set_closed``)
+    │   └── RendezvousGracefulExitError  ... while this node waited as a spare (exit successfully)
+    ├── RendezvousTimeoutError           no round completed within the overall timeout
+    └── RendezvousStateError             the stored rendezvous state is corrupt
+
+Naming rule: every exception class ends in ``Error``. The earlier names without it (``KeyExists``,
+``BackendUnavailable``, ``RendezvousTimeout``, ... see :data:`OLD_NAMES`) are aliases of the same classes.
 
 The rendezvous handler maps these onto torch's ``RendezvousClosedError``,
 ``RendezvousTimeoutError``, ``RendezvousConnectionError`` and
@@ -38,6 +42,28 @@ from typing import Any
 __all__ = [
     "RdzvError",
     "KVError",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "CompareFailedError",
+    "HistoryCompactedError",
+    "ValueTooLargeError",
+    "CorruptEntryError",
+    "BackendClosedError",
+    "BackendUnavailableError",
+    "BackendConnectionError",
+    "BackendTimeoutError",
+    "ConfigError",
+    "is_secret_field",
+    "InvalidArgumentError",
+    "InvalidKeyError",
+    "InvalidURLError",
+    "UnknownBackendError",
+    "PluginError",
+    "RendezvousClosedError",
+    "RendezvousGracefulExitError",
+    "RendezvousTimeoutError",
+    "RendezvousStateError",
+    # the names before the naming rule (aliases)
     "KeyExists",
     "KeyNotFound",
     "CompareFailed",
@@ -46,18 +72,10 @@ __all__ = [
     "CorruptEntry",
     "BackendClosed",
     "BackendUnavailable",
-    "BackendConnectionError",
     "BackendTimeout",
-    "ConfigError",
-    "is_secret_field",
-    "InvalidKeyError",
-    "InvalidURLError",
-    "UnknownBackendError",
-    "PluginError",
     "RendezvousClosed",
     "RendezvousGracefulExit",
     "RendezvousTimeout",
-    "RendezvousStateError",
 ]
 
 
@@ -77,15 +95,15 @@ class KVError(RdzvError):
         self.key = key
 
 
-class KeyExists(KVError):
+class KeyExistsError(KVError):
     """``create`` found the key already present."""
 
 
-class KeyNotFound(KVError):
+class KeyNotFoundError(KVError):
     """The key is absent (never written, deleted, or its TTL ran out)."""
 
 
-class CompareFailed(KVError):
+class CompareFailedError(KVError):
     """The entry's current revision differs from ``expected_revision``.
 
     Attributes:
@@ -105,7 +123,7 @@ class CompareFailed(KVError):
         self.actual_revision = actual_revision
 
 
-class HistoryCompacted(KVError):
+class HistoryCompactedError(KVError):
     """``watch`` cannot serve events after ``after_revision`` any more.
 
     The caller re-reads the current state (``get``/``list``) and watches again from
@@ -113,14 +131,14 @@ class HistoryCompacted(KVError):
     """
 
 
-class ValueTooLarge(KVError):
+class ValueTooLargeError(KVError):
     """A value is larger than the backend's ``Capabilities.max_value_bytes``.
 
     Raised before anything is written.
     """
 
 
-class CorruptEntry(KVError):
+class CorruptEntryError(KVError):
     """The backend holds data at ``key`` that is not an entry of this protocol.
 
     Examples: ``add`` on a value that is not ASCII decimal; a Redis key of the
@@ -133,19 +151,19 @@ class CorruptEntry(KVError):
     """
 
 
-class BackendClosed(KVError):
+class BackendClosedError(KVError):
     """The backend object was closed; open a new one."""
 
 
-class BackendUnavailable(KVError):
+class BackendUnavailableError(KVError):
     """The backend's server cannot be used right now (transient)."""
 
 
-class BackendConnectionError(BackendUnavailable):
+class BackendConnectionError(BackendUnavailableError):
     """Connection refused, reset or lost."""
 
 
-class BackendTimeout(BackendUnavailable):
+class BackendTimeoutError(BackendUnavailableError):
     """The server did not answer within the operation's deadline."""
 
 
@@ -193,7 +211,11 @@ class ConfigError(RdzvError, ValueError):
         super().__init__(f"invalid value for {field!r}: {shown}: {reason}")
 
 
-class InvalidKeyError(ConfigError):
+class InvalidArgumentError(ConfigError):
+    """An argument of a call is invalid: a TTL, timeout, delta, revision or value of :mod:`rdzv_core.kv`."""
+
+
+class InvalidKeyError(InvalidArgumentError):
     """A key or prefix does not follow the key grammar of :mod:`rdzv_core.kv`."""
 
 
@@ -213,16 +235,16 @@ class PluginError(RdzvError):
     """The plugin registry is inconsistent (e.g. a scheme claimed twice)."""
 
 
-class RendezvousClosed(RdzvError):
+class RendezvousClosedError(RdzvError):
     """The run is closed: no further rounds will form (see ``Rendezvous.set_closed``)."""
 
 
-class RendezvousGracefulExit(RendezvousClosed):
+class RendezvousGracefulExitError(RendezvousClosedError):
     """The run closed while this node waited as a *spare* (the round was full): it has nothing
     left to do and may exit successfully (torch's ``RendezvousGracefulExitError``)."""
 
 
-class RendezvousTimeout(RdzvError):
+class RendezvousTimeoutError(RdzvError):
     """``next_round`` did not complete within the overall ``timeout`` (seconds)."""
 
 
@@ -236,3 +258,28 @@ class RendezvousStateError(RdzvError):
     def __init__(self, message: str, key: str | None = None) -> None:
         super().__init__(message)
         self.key = key
+
+
+# The names before the naming rule: the same classes.
+KeyExists = KeyExistsError
+KeyNotFound = KeyNotFoundError
+CompareFailed = CompareFailedError
+HistoryCompacted = HistoryCompactedError
+ValueTooLarge = ValueTooLargeError
+CorruptEntry = CorruptEntryError
+BackendClosed = BackendClosedError
+BackendUnavailable = BackendUnavailableError
+BackendTimeout = BackendTimeoutError
+RendezvousClosed = RendezvousClosedError
+RendezvousGracefulExit = RendezvousGracefulExitError
+RendezvousTimeout = RendezvousTimeoutError
+
+#: Old name -> current name of every renamed error class.
+OLD_NAMES = {
+    "KeyExists": "KeyExistsError", "KeyNotFound": "KeyNotFoundError", "CompareFailed": "CompareFailedError",
+    "HistoryCompacted": "HistoryCompactedError", "ValueTooLarge": "ValueTooLargeError",
+    "CorruptEntry": "CorruptEntryError", "BackendClosed": "BackendClosedError",
+    "BackendUnavailable": "BackendUnavailableError", "BackendTimeout": "BackendTimeoutError",
+    "RendezvousClosed": "RendezvousClosedError", "RendezvousGracefulExit": "RendezvousGracefulExitError",
+    "RendezvousTimeout": "RendezvousTimeoutError",
+}

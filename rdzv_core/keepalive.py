@@ -1,27 +1,12 @@
 """Keep-alive: refresh keys' TTLs from one scheduler per process until stopped.
 
-Every :class:`KeepAlive` of a process is driven by one shared scheduler: a
-daemon thread holding a heap of ``(due time, KeepAlive)`` entries, which hands
-each due refresh to a small thread pool (:data:`REFRESH_WORKERS` threads at
-most). A process with 1,024 agent threads thus has one scheduler thread and a
-few refresh threads, not 1,024 keep-alive threads. A refresh that blocks (a
-slow or black-holed server: up to the backend's ``operation_timeout``) holds
-one pool thread, not the scheduler, so other keys are refreshed on time; each
-key has at most one refresh in flight (it is put back on the heap only when its
-refresh returned).
-
-Unlike the seed's ``setup_lease_renewal`` a key's refreshing does not end on an
-unexpected error: transient backend errors are retried with a short jittered
-backoff (well within TTL/3), anything else is logged and retried the same way.
-A key found gone (it lapsed, e.g. while the server was paused for longer than
-the TTL) is recreated with its value, so a member outlives a stall instead of
-vanishing for good; the rendezvous then tells the agent if its round was
-destroyed meanwhile (see ``Rendezvous.num_nodes_waiting``). Only
-:meth:`KeepAlive.stop` or a closed backend ends a key's refreshing.
-
-After ``fork()`` the child starts with no scheduler (the parent's threads did not
-survive); its first :class:`KeepAlive` starts a new one. Keep-alives created in the
-parent are not refreshed in the child.
+Every :class:`KeepAlive` of a process is driven by one daemon thread holding a heap of due
+refreshes, which hands each to a thread pool of at most :data:`REFRESH_WORKERS` threads; a
+refresh that blocks holds one pool thread, not the scheduler, and each key has at most one
+refresh in flight. Errors are retried with a jittered backoff; a key found gone is written
+again. Only :meth:`KeepAlive.stop` or a closed backend ends a key's refreshing. After
+``fork()`` the child starts with no scheduler; keep-alives made in the parent are not
+refreshed there. Why, and the pool's size: ``docs/design.md`` ("Keep-alive").
 """
 
 from __future__ import annotations
@@ -35,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import BackendClosed, ConfigError, KeyExists, KeyNotFound
+from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
 from .outage import OutageLog
 
@@ -43,16 +28,9 @@ __all__ = ["KeepAlive", "REFRESH_WORKERS", "STOP_WAIT"]
 
 log = logging.getLogger(__name__)
 
-#: Most refreshes run at once per process (threads of the refresh pool; ``ThreadPoolExecutor``
-#: starts one only when none is idle, so keys that fall due together -- a round's members
-#: confirm together -- grow the pool to about as many threads as refreshes overlap: a few
-#: dozen for 200 keys on a fast backend). The pool must sustain ``keys / (ttl / 3)`` refreshes
-#: per second at the backend's latency *under load*: 512 keys of one process on an etcd v2
-#: server busy with a 1,024-agent round (``benchmarks.run --steady``) let 217 keys lapse while
-#: the round formed with a cap of 32, one with 256 (the pool sat at its cap), none with 1,024
-#: -- as many refreshes in flight as the thread per key this pool replaced. The cap also
-#: bounds the threads held by refreshes blocked on a silent server (each up to its backend's
-#: ``operation_timeout``); refreshes of other keys queue only beyond it.
+#: Most refreshes run at once per process (threads of the refresh pool, started only when none is
+#: idle; ``docs/design.md`` gives the load that sized it). It also bounds the threads held by
+#: refreshes blocked on a silent server (each up to its backend's ``operation_timeout``).
 REFRESH_WORKERS = 1024
 #: Seconds :meth:`KeepAlive.stop` waits for an in-flight refresh of its key to return.
 STOP_WAIT = 5.0
@@ -66,11 +44,11 @@ class KeepAlive:
 
     The first refresh is ``ttl / 3`` seconds after construction; each next one
     ``ttl / 3`` seconds after the previous returned. A refresh that fails with
-    anything but :class:`~rdzv_core.errors.KeyNotFound` or
-    :class:`~rdzv_core.errors.BackendClosed` is logged (WARNING) and retried after a
-    jittered ``0.25 .. 0.5 * ttl / 3`` seconds. ``KeyNotFound``: ``lapsed`` is set and
+    anything but :class:`~rdzv_core.errors.KeyNotFoundError` or
+    :class:`~rdzv_core.errors.BackendClosedError` is logged (WARNING) and retried after a
+    jittered ``0.25 .. 0.5 * ttl / 3`` seconds. ``KeyNotFoundError``: ``lapsed`` is set and
     the key is written again with ``kv.create(key, value, ttl)`` (or, with ``value``
-    ``None``, refreshing ends). ``BackendClosed`` ends refreshing.
+    ``None``, refreshing ends). ``BackendClosedError`` ends refreshing.
 
     Args:
         kv: the backend.
@@ -78,7 +56,7 @@ class KeepAlive:
         ttl: the TTL in seconds to restart at every refresh (> 0).
         value: the key's value (bytes), written again with ``create`` if the key
             is found gone; ``None`` to stop refreshing instead.
-        name: a label for logs and ``repr`` (no thread is named after it any more).
+        name: a label for logs and ``repr``.
 
     Attributes:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
@@ -168,14 +146,14 @@ class KeepAlive:
             self.kv.refresh(self.key, self.ttl)
             self._outage.recovered("keep-alive refresh of %s works again", self.key)
             return self.interval
-        except KeyNotFound:
+        except KeyNotFoundError:
             self.lapsed.set()
             if self.value is None:
                 log.warning("keep-alive key %s lapsed before it was refreshed", self.key)
                 return None
             log.warning("keep-alive key %s lapsed before it was refreshed; writing it again", self.key)
             return self._recreate()
-        except BackendClosed:
+        except BackendClosedError:
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
             wait = random.uniform(0.25, 0.5) * self.interval
@@ -190,9 +168,9 @@ class KeepAlive:
             return None
         try:
             self.kv.create(self.key, self.value, ttl=self.ttl)
-        except KeyExists:
+        except KeyExistsError:
             pass  # written again meanwhile (by a stop/start race): refresh it next time
-        except BackendClosed:
+        except BackendClosedError:
             return None
         except Exception as exc:  # as for a failed refresh: retry soon, never end silently
             wait = random.uniform(0.25, 0.5) * self.interval

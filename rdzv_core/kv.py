@@ -68,7 +68,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Iterator
-from .errors import BackendClosed, BackendTimeout, CorruptEntry, InvalidKeyError, ValueTooLarge
+from .errors import BackendClosed, BackendTimeout, CorruptEntry, InvalidArgumentError, InvalidKeyError, ValueTooLarge
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
 
@@ -245,13 +245,13 @@ def _check_ttl(ttl: float | None) -> float | None:
     if ttl is None:
         return None
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
-        raise InvalidKeyError("ttl", ttl, "a TTL is a finite number of seconds > 0, or None")
+        raise InvalidArgumentError("ttl", ttl, "a TTL is a finite number of seconds > 0, or None")
     return float(ttl)
 
 
 def _check_timeout(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise InvalidKeyError("timeout", timeout, "a timeout is a number of seconds >= 0")
+        raise InvalidArgumentError("timeout", timeout, "a timeout is a number of seconds >= 0")
     return float(timeout)
 
 
@@ -267,7 +267,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
     Nested blocks keep the earlier deadline; ``None`` adds no bound.
 
     Raises:
-        InvalidKeyError: ``seconds`` is not a number >= 0.
+        InvalidArgumentError: ``seconds`` is not a number >= 0.
     """
     outer = getattr(_call_deadline, "at", None)
     at = None if seconds is None else time.monotonic() + _check_timeout(seconds)
@@ -375,7 +375,7 @@ class KVBackend(abc.ABC):
         self._check_open()
         checked = _check_ttl(ttl)
         if checked is None:
-            raise InvalidKeyError("ttl", ttl, "refresh needs a TTL")
+            raise InvalidArgumentError("ttl", ttl, "refresh needs a TTL")
         self._do_refresh(check_key(key), checked)
 
     def add(self, key: str, delta: int) -> int:
@@ -389,7 +389,7 @@ class KVBackend(abc.ABC):
         """
         self._check_open()
         if isinstance(delta, bool) or not isinstance(delta, int):
-            raise InvalidKeyError("delta", delta, "add() takes an int")
+            raise InvalidArgumentError("delta", delta, "add() takes an int")
         return self._do_add(check_key(key), delta)
 
     def watch(self, prefix: str, after_revision: int, timeout: float) -> _List[Event]:
@@ -405,7 +405,7 @@ class KVBackend(abc.ABC):
         """
         self._check_open()
         if isinstance(after_revision, bool) or not isinstance(after_revision, int) or after_revision < 0:
-            raise InvalidKeyError("after_revision", after_revision, "a revision is an int >= 0")
+            raise InvalidArgumentError("after_revision", after_revision, "a revision is an int >= 0")
         return self._do_watch(check_prefix(prefix), after_revision, _check_timeout(timeout))
 
     def ttl_remaining(self, key: str) -> float | None:
@@ -445,7 +445,7 @@ class KVBackend(abc.ABC):
 
     def _check_value(self, key: str, value: bytes) -> bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
-            raise InvalidKeyError("value", type(value).__name__, "values are bytes")
+            raise InvalidArgumentError("value", type(value).__name__, "values are bytes")
         value = bytes(value)
         limit = self.capabilities.max_value_bytes
         if limit is not None and len(value) > limit:
@@ -496,7 +496,7 @@ class KVBackend(abc.ABC):
 
 def _check_revision(revision: int) -> int:
     if isinstance(revision, bool) or not isinstance(revision, int) or revision < 1:
-        raise InvalidKeyError("expected_revision", revision, "a revision is an int >= 1")
+        raise InvalidArgumentError("expected_revision", revision, "a revision is an int >= 1")
     return revision
 
 

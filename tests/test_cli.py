@@ -10,11 +10,11 @@ import uuid
 import pytest
 
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
-from rdzv_core.rendezvous import round_segment
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rdzv_core.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", *args], capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_backends_lists_builtins_as_json() -> None:
@@ -71,16 +71,17 @@ def test_status_and_reset_survive_corrupt_state(tmp_path) -> None:
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30))
     result = member.next_round()
     member.leave()
-    root = f"torchelastic/p2p/run_{run_id}/{round_segment(result.version, result.round_id)}"
-    kv.put(root + "/alive/rank_0", b"\xffnot json")
+    rank_0 = member.keys.alive(result.version, result.round_id, 0)
+    kv.put(rank_0, b"\xffnot json")
     status = json.loads(_rdzv("status", url, "--json").stdout)
-    assert [m["key"] for m in status["alive"]] == [root + "/alive/rank_0"] and "corrupt" in status["alive"][0]
+    assert [m["key"] for m in status["alive"]] == [rank_0] and "corrupt" in status["alive"][0]
     assert status["verdict"] == "degraded"  # rank 0 has no live keep-alive record
     assert _rdzv("status", url).returncode == 1
-    kv.put(root + "/joined", b"many")
+    joined = member.keys.joined(result.version, result.round_id)
+    kv.put(joined, b"many")
     out = _rdzv("status", url)
     assert out.returncode == 1
-    assert root + "/joined" in out.stderr and "rdzv reset" in out.stderr
+    assert joined in out.stderr and "rdzv reset" in out.stderr
     assert _rdzv("reset", url, "--yes").returncode == 0
     assert json.loads(_rdzv("status", url, "--json").stdout)["status"] == "absent"
     again = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30))
@@ -93,14 +94,14 @@ def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsy
     """The version counter numbers rounds: garbage in it, or a value below the round record's version, would make
     the next round fail or reuse an old round's keys. ``status`` shows it, reports it (table and --json) and exits 1
     with a one-line hint to reset the run."""
-    from rdzv_core.cli import main
+    from rdzv_core.admin_cli import main
 
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
     member.next_round()
     version = member.next_round().version
-    counter_key = member.root + "/counter/version"
+    counter_key = member.keys.version_counter
 
     def status(*extra: str) -> tuple[int, str, str]:
         code = main(["status", url, *extra])
@@ -138,7 +139,7 @@ def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsy
 
 def test_status_shows_each_members_keep_alive_age(rdzv_url, kv, capsys) -> None:
     """Each member's keep-alive: seconds since its last refresh and until it expires (backend's ``ttl_remaining``)."""
-    from rdzv_core.cli import main
+    from rdzv_core.admin_cli import main
 
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
@@ -162,7 +163,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     import os
 
     for unbuffered in ("", "1"):
-        proc = subprocess.Popen([sys.executable, "-m", "rdzv_core.cli", "backends"], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "rdzv_core.admin_cli", "backends"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()  # long before the command has imported anything and written
@@ -177,8 +178,8 @@ def test_started_with_stdout_closed_gives_no_traceback() -> None:
     def close_stdout() -> None:
         os.close(1)
 
-    proc = subprocess.run([sys.executable, "-m", "rdzv_core.cli", "backends"], stdout=None, stderr=subprocess.PIPE,
-                          preexec_fn=close_stdout, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", "backends"], stdout=None,
+                          stderr=subprocess.PIPE, preexec_fn=close_stdout, timeout=60)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert b"Traceback" not in proc.stderr
 
@@ -186,7 +187,7 @@ def test_started_with_stdout_closed_gives_no_traceback() -> None:
 def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> None:
     """A final round whose member's keep-alive key is gone (died, left, stalled): a warning, verdict ``degraded``
     and exit status 1 (table and --json), so that a monitoring probe sees it."""
-    from rdzv_core.cli import main
+    from rdzv_core.admin_cli import main
 
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
@@ -245,3 +246,14 @@ def test_backends_shows_default_ports_and_server_endpoints() -> None:
     assert table.returncode == 0
     redis_row = next(line.split() for line in table.stdout.splitlines() if line.startswith("redis "))
     assert redis_row[3:6] == ["6379", "yes", "one"], redis_row
+
+
+def test_the_former_module_name_is_the_same_module() -> None:
+    """``rdzv_core.cli`` (the module's former name) is :mod:`rdzv_core.admin_cli`, also run with ``-m``."""
+    import rdzv_core.admin_cli
+    import rdzv_core.cli
+
+    assert rdzv_core.cli is rdzv_core.admin_cli
+    out = subprocess.run([sys.executable, "-m", "rdzv_core.cli", "backends", "--json"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and "memory" in json.loads(out.stdout), out.stderr

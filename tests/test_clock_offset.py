@@ -44,7 +44,6 @@ import pytest
 
 from conformance_tests.test_rendezvous import Agent
 from rdzv_core import EventType, RendezvousParams, list_backends, open_backend
-from rdzv_core.rendezvous import round_segment
 
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian amd64 path
 OFFSET = 30.0  #: seconds the subprocess's clock runs ahead
@@ -175,15 +174,15 @@ def test_agent_with_clock_30s_ahead_is_not_evicted(base_url: str, offset_agent, 
         theirs = remote.message(START)
         ours = local.wait(START)
         skew = theirs["time"] - time.time()
-        root = local.rdzv.root
-        state_key = root + "/state/round"
+        keys = local.rdzv.keys
+        state_key = keys.round_record
         record = observer.get(state_key)
-        alive = observer.list(f"{root}/{round_segment(ours.version, ours.round_id)}/alive/")[0]
-        after = observer.list(root + "/")[1]
+        alive = observer.list(keys.alive_dir(ours.version, ours.round_id))[0]
+        after = observer.list(keys.tree)[1]
         window = 3 * TTL + resolution
-        changes = _changes_under(observer, root + "/", after, until=time.monotonic() + window,
+        changes = _changes_under(observer, keys.tree, after, until=time.monotonic() + window,
                                  watched={state_key})
-        alive_after = observer.list(f"{root}/{round_segment(ours.version, ours.round_id)}/alive/")[0]
+        alive_after = observer.list(keys.alive_dir(ours.version, ours.round_id))[0]
         waiting = local.rdzv.num_nodes_waiting()
         ka = local.rdzv._keepalive
         ours_keepalive = {"alive": ka is not None and ka.is_alive(),

@@ -161,18 +161,18 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     version = first[0].version
     observer = clients()
     rdzv = members[0].rdzv
-    state_key = rdzv.root + "/state/round"
+    state_key = rdzv.keys.round_record
     record = observer.get(state_key)
     assert record is not None
     stores = [KVStore(m.kv, m.rdzv.store_prefix(version), datetime.timedelta(seconds=OP_TIMEOUT)) for m in members]
     stores[0].set("before", b"1")
-    after = observer.list(rdzv.root + "/")[1]
+    after = observer.list(rdzv.keys.tree)[1]
 
     killed = time.monotonic()
     leader.kill()
-    gone = _deletes_under(observer, rdzv.root + "/", after, until=killed + TTL + _resolution(scheme))
+    gone = _deletes_under(observer, rdzv.keys.tree, after, until=killed + TTL + _resolution(scheme))
     record_after = observer.get(state_key)
-    alive = observer.list(rdzv._vkey(version, rdzv.current.round_id or None, "alive") + "/")[0]
+    alive = observer.list(rdzv.keys.alive_dir(version, rdzv.current.round_id or None))[0]
     waiting = [m.rdzv.num_nodes_waiting() for m in members]
     keepalives = [m.rdzv._keepalive for m in members]
     t0 = time.monotonic()

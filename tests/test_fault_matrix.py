@@ -62,6 +62,7 @@ from rdzv_core import (
     parse_backend_url,
 )
 from rdzv_core.kv import parse_counter
+from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
 pytestmark = pytest.mark.slow
 
@@ -226,10 +227,10 @@ def test_confirming_member_survives_the_round_being_replaced(replacement: str) -
     """
     run_id = f"keyerror{uuid.uuid4().hex[:8]}"
     with open_backend("memory://fault-matrix/") as kv:
-        root = f"torchelastic/p2p/run_{run_id}"
-        kv.put(root + "/counter/version", b"1")
-        kv.put(root + "/state/round", b'{"status": "joinable", "version": 1}')
-        kv.put(root + "/v_1/joined", b"1")  # a member that will never confirm holds ticket 1
+        keys = RunKeys("torchelastic/p2p", run_id)
+        kv.put(keys.version_counter, b"1")
+        kv.put(keys.round_record, RoundRecord(Status.JOINABLE, 1).encode())  # a round without id
+        kv.put(keys.joined(1, None), b"1")  # a member that will never confirm holds ticket 1
         saw_setup = threading.Event()
         member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=30, timeout=20),
                             on_progress=lambda p: saw_setup.set() if p.phase == "setup" else None)
@@ -237,11 +238,11 @@ def test_confirming_member_survives_the_round_being_replaced(replacement: str) -
         thread = threading.Thread(target=lambda: _capture(member.next_round, outcome), daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
-        while (e := kv.get(root + "/v_1/confirmed")) is None or parse_counter(e.key, e.value) < 1:
+        while (e := kv.get(keys.confirmed(1, None))) is None or parse_counter(e.key, e.value) < 1:
             assert time.monotonic() < deadline, "the member never confirmed"
-            kv.watch(root + "/", kv.list(root + "/")[1], 0.2)
+            kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
         if replacement == "setup":  # then let the member see it (or die on it) before closing the run
-            kv.put(root + "/state/round", b'{"status": "setup"}', ttl=30)
+            kv.put(keys.round_record, RoundRecord(Status.SETUP).encode(), ttl=30)
             while not saw_setup.wait(0.05) and thread.is_alive():
                 assert time.monotonic() < deadline, "the member never saw the setup record"
         member.set_closed()

@@ -172,7 +172,7 @@ def test_timeout_maps_to_torch_error(base: str) -> None:
 def test_corrupt_state_maps_to_torch_error(base: str) -> None:
     url = _url(base, min_nodes=1)
     h = create_handler(url)
-    h.rendezvous.kv.put(h.rendezvous.root + "/state/round", b"{not json")
+    h.rendezvous.kv.put(h.rendezvous.keys.round_record, b"{not json")
     with pytest.raises(torch_api.RendezvousStateError):
         h.next_rendezvous()
     h.shutdown()

@@ -27,7 +27,7 @@ def test_members_in_one_process_share_one_watch_and_the_last_one_out_stops_it() 
         for t in threads:
             t.join(20)
         version = results[0].version
-        ours = {k: v for k, v in roundwatch.watched_rounds().items() if k[0].startswith(members[0].root + "/")}
+        ours = {k: v for k, v in roundwatch.watched_rounds().items() if k[0].startswith(members[0].keys.tree)}
         assert list(ours.values()) == [3] and next(iter(ours))[1] == version
         assert len([t for t in _watch_threads() if t.name.endswith(f"v{version}")]) == 1
         clients[0].close()  # the client the watch may be using: the watch goes on with another one's
@@ -38,7 +38,7 @@ def test_members_in_one_process_share_one_watch_and_the_last_one_out_stops_it() 
             time.sleep(0.02)
         for m in (members[0], members[2]):
             m.leave()
-        assert not any(k[0].startswith(members[0].root + "/") for k in roundwatch.watched_rounds())
+        assert not any(k[0].startswith(members[0].keys.tree) for k in roundwatch.watched_rounds())
     finally:
         for kv in clients:
             kv.close()
@@ -52,13 +52,13 @@ def test_a_stopped_watch_never_destroys_the_round() -> None:
     member = Rendezvous(kv, "job", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
     try:
         member.next_round()
-        keys = member._watched
-        assert keys is not None
-        watch = roundwatch._RoundWatch(keys)  # not started: we make its first look by hand, late
+        watched = member._watched
+        assert watched is not None
+        watch = roundwatch._RoundWatch(watched)  # not started: we make its first look by hand, late
         watch.subscribers[member] = kv
         member.leave()  # unsubscribes, then deletes its keep-alive key
         watch.stopped.set()  # what unsubscribe does to the watch of the last subscriber
         assert watch._check(kv) is None
-        assert kv.get(keys.state_key) is not None  # the final record is still there
+        assert kv.get(watched.keys.round_record) is not None  # the final record is still there
     finally:
         kv.close()

@@ -125,7 +125,7 @@ class StoppingRendezvous(Rendezvous):
     # -- the stopping points ----------------------------------------------------
     def _setup(self, read_seconds: float, deadline: float) -> Any:
         if self._armed("setup"):  # the version counter is taken right after the setup record exists
-            self.trapped.arm("add", lambda key, _: key.endswith("/counter/version"), before=True)
+            self.trapped.arm("add", lambda key, _: key == self.keys.version_counter, before=True)
         try:
             return super()._setup(read_seconds, deadline)
         finally:
@@ -144,7 +144,7 @@ class StoppingRendezvous(Rendezvous):
     def _last_call(self, version: int, rid: str | None, deadline: float) -> None:
         self.trapped.disarm()
         if self._armed("last_call"):  # the first refresh follows the marking compare-and-swap
-            self.trapped.arm("refresh", lambda key, _: key == self._state_key, before=True)
+            self.trapped.arm("refresh", lambda key, _: key == self.keys.round_record, before=True)
         try:
             super()._last_call(version, rid, deadline)
         finally:

@@ -1,0 +1,18 @@
+"""The rendezvous state machine, written once against the KV protocol (after torchelastic's ``EtcdRendezvous``).
+
+Modules: :mod:`.record` (the round record :class:`RoundRecord`, its :class:`Status`, the run's
+key map :class:`RunKeys`), :mod:`.params` (:class:`RendezvousParams`, :class:`RoundResult`,
+:class:`Progress`), :mod:`.steps` (the decisions, apart from I/O), :mod:`.machine` (the phases
+of a round and their I/O), :mod:`.node` (:class:`Rendezvous`, the public API). The states,
+keys and design are described in ``docs/design.md``.
+"""
+
+from __future__ import annotations
+
+from .params import MIN_KEEP_ALIVE_TTL, Progress, RendezvousParams, RoundResult
+from .record import MAX_STATE_BYTES, RoundRecord, RunKeys, Status, round_segment
+from .machine import SETUP_STAGGER, SPARE_LOG_EVERY
+from .node import Rendezvous
+
+__all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress", "round_segment", "RoundRecord", "RunKeys",
+           "Status", "MAX_STATE_BYTES", "MIN_KEEP_ALIVE_TTL", "SETUP_STAGGER", "SPARE_LOG_EVERY"]

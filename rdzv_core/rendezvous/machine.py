@@ -1,0 +1,486 @@
+"""The rendezvous state machine of one node: the phases of a round and the I/O they perform.
+
+After torchelastic's ``EtcdRendezvous`` (see ``docs/design.md`` for the states, what was kept
+and changed, and why)::
+
+    (absent) --create--> setup --CAS--> joinable --CAS--> frozen --CAS--> final
+                                         |  last call            |  all confirmed
+       closed <--CAS-- (any state)       |  (min <= n < max)     |
+    final round whose keep-alive lapsed --compare_and_delete--> (absent)
+
+:func:`~rdzv_core.rendezvous.steps.next_step` decides what a node does with the record it
+read; :class:`RoundMachine` performs it. Keys: :class:`~rdzv_core.rendezvous.record.RunKeys`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+from .. import roundwatch
+from ..errors import (
+    BackendClosedError,
+    BackendUnavailableError,
+    CompareFailedError,
+    CorruptEntryError,
+    KeyExistsError,
+    KeyNotFoundError,
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
+    RendezvousStateError,
+)
+from ..keepalive import KeepAlive
+from ..kv import Entry, KVBackend, parse_counter, wait_for_change
+from .params import Progress, RendezvousParams, RoundResult
+from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
+from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
+
+__all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
+
+#: The rendezvous' logger (one name for the whole package).
+log = logging.getLogger("rdzv_core.rendezvous")
+
+#: seconds: the shortest window over which nodes that find no round stagger their setup (see ``_setup``).
+SETUP_STAGGER = 0.05
+#: Seconds between two INFO lines of a node waiting as a spare.
+SPARE_LOG_EVERY = 60.0
+
+
+class RoundMachine:
+    """One node's rounds of one run over a :class:`KVBackend`: the protocol under :class:`Rendezvous`.
+
+    Args:
+        kv: the backend (not closed by this object).
+        run_id: the run id: 1-128 characters from ``A-Za-z0-9_.-=+:@~``, not ``.``/``..``.
+        params: :class:`RendezvousParams`.
+        on_progress: optional callback receiving :class:`Progress` while waiting.
+
+    Raises:
+        InvalidURLError: ``run_id`` is not a valid run id (names the field and value).
+    """
+
+    def __init__(
+        self,
+        kv: KVBackend,
+        run_id: str,
+        params: RendezvousParams,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.keys = RunKeys(params.prefix, run_id)
+        self.run_id = self.keys.run_id
+        self.params = params
+        self.on_progress = on_progress
+        self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._keepalive: KeepAlive | None = None
+        self._alive_key: str | None = None
+        self._alive_info: dict[str, Any] = {}
+        self._finished = False  # this member's key is marked finished (mark_finished)
+        # After waiting as a late node: (incumbents, monotonic deadline): see _defer_to_incumbents.
+        self._defer: tuple[int, float] | None = None
+        self._previous: int | None = None  # version of the round this node was a member of before next_round
+        self._final_revision = 0  # revision of the final record of the round _confirm returned
+        self._watched: roundwatch.WatchedRound | None = None  # the round whose lapse watch we subscribed to
+        self._spare_since: float | None = None  # when this node began waiting as a spare (monotonic)
+        self._announced: set[int] = set()
+        self._stall = Stall()
+        self._lock = threading.Lock()
+        self.current: RoundResult | None = None
+        # The round this node took a ticket in during the current next_round(); kept across a
+        # BackendUnavailableError (the retry resumes it), dropped on a Retry and when next_round ends.
+        self._held: Held | None = None
+
+    @property
+    def root(self) -> str:
+        """The run's key root ``PREFIX/run_RUN_ID`` (:attr:`RunKeys.root`)."""
+        return self.keys.root
+
+    # -- one attempt ---------------------------------------------------------------------------
+    def _attempt(self, deadline: float) -> RoundResult:
+        """One attempt (after ``EtcdRendezvous.init_phase``): read the record, perform :func:`next_step`.
+
+        Raises:
+            Retry: start over (the round changed, or this step only waited).
+        """
+        started = time.monotonic()
+        entry, record = self._read_state()
+        if entry is None or record is None:
+            entry, record = self._setup(time.monotonic() - started, deadline)
+        step = next_step(record, self._held, self.params.limit, entry.key)
+        if step is Step.CLOSED:
+            if self._spare_since is not None:
+                raise RendezvousGracefulExitError(f"run {self.run_id} closed while this node waited as a spare")
+            raise RendezvousClosedError(f"run {self.run_id} is closed")
+        self._spare_since = None
+        if step is Step.JOIN:
+            return self._join(record.version, record.id, deadline)
+        if step is Step.RESUME:  # a backend error interrupted this node after it joined (or confirmed)
+            held = self._held
+            assert held is not None and record.participants is not None  # next_step checked both
+            return self._confirm(held.version, held.rid, held.ticket - 1, record.participants, deadline)
+        if step is Step.WAIT_AS_LATE_NODE:
+            raise Retry("final round changed", credit=self._wait_as_late_node(entry, record, deadline))
+        if step is Step.CHECK_FROZEN_STALL:
+            self._check_frozen_stall(entry, record)
+        self._progress("setup" if record.status is Status.SETUP else "waiting", record.version, 0, deadline)
+        wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline))
+        raise Retry(f"round was {record.status.value}")
+
+    # -- the phases -----------------------------------------------------------------------------
+    def _setup(self, read_seconds: float, deadline: float) -> tuple[Entry, RoundRecord]:
+        """Create a new round: setup (ephemeral) -> joinable (after ``try_create_rendezvous``).
+
+        First sleeps a random time in ``[0, W)``, W = max(:data:`SETUP_STAGGER`, 16 x
+        ``read_seconds``) and at most 1 s, and reads again, so nodes that start together do
+        not all race the create (``docs/design.md``, "setup stagger").
+
+        Raises:
+            Retry: another node created the record meanwhile (re-read it), or won the race.
+        """
+        ttl = self.params.keep_alive_ttl
+        window = min(1.0, max(SETUP_STAGGER, 16 * read_seconds))
+        Backoff(base=window, cap=window).sleep(deadline)  # its first sleep: uniform(0, window), within the deadline
+        if self._read_state()[0] is not None:
+            raise Retry("another node is setting up a round")
+        try:
+            setup = self.kv.create(self.keys.round_record, RoundRecord(Status.SETUP).encode(), ttl=ttl)
+        except KeyExistsError:
+            raise Retry("another node is setting up a round", delay=True) from None  # backoff: no busy loop
+        version = self._add(self.keys.version_counter)
+        record = RoundRecord(Status.JOINABLE, version, uuid.uuid4().hex[:16])
+        try:
+            entry = self.kv.compare_and_swap(self.keys.round_record, record.encode(), setup.revision)
+        except (CompareFailedError, KeyNotFoundError):
+            raise Retry("setup record changed before it became joinable", delay=True) from None
+        self._log(logging.INFO, "created the round", version=version)
+        return entry, record
+
+    def _join(self, version: int, rid: str | None, deadline: float) -> RoundResult:
+        """Take a ticket, run the last call if ours, wait for the freeze (after ``join_phase``).
+
+        A node resumed after a backend error keeps the ticket it holds (:class:`Held`).
+        """
+        p = self.params
+        held = self._held
+        if held is not None and held.is_round(version, rid):
+            ticket = held.ticket  # joined before a backend error: the ticket is still ours
+            self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
+        else:
+            self._defer_to_incumbents(version, rid, deadline)
+            ticket = self._add(self.keys.joined(version, rid))
+            self._held = Held(version, rid, ticket)
+            self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
+        if ticket == p.limit:
+            self._freeze(version, rid, p.limit, deadline)
+        elif ticket == p.min_nodes:
+            self._last_call(version, rid, deadline)
+        entry, record = self._wait_until_not_joinable(version, rid, deadline)
+        if record.status is not Status.FROZEN or not record.is_round(version, rid):
+            raise Retry(f"round {version} became {record.status.value} before it froze")
+        world = record.participants
+        assert world is not None  # a decoded frozen record has participants
+        if world > p.limit:
+            raise RendezvousStateError(f"round record at {entry.key!r} has {world} participants, more than "
+                                       f"max_nodes={p.max_nodes}", entry.key)
+        if ticket > world:
+            raise Retry(f"round {version} froze with {world} nodes before ticket {ticket}")
+        return self._confirm(version, rid, ticket - 1, world, deadline)
+
+    def _defer_to_incumbents(self, version: int, rid: str | None, deadline: float) -> None:
+        """After waiting as a late node: wait until as many nodes joined as still held keys in the
+        old round when it ended, at most ``keep_alive_ttl`` s (``docs/design.md``, "spares do not
+        displace survivors")."""
+        defer, self._defer = self._defer, None
+        if defer is None:
+            return
+        incumbents, until = defer[0], min(defer[1], deadline)
+        joined_key = self.keys.joined(version, rid)
+        while time.monotonic() < until:
+            revision = self.kv.list(self.keys.round_dir(version, rid))[1]
+            joined = self._counter(joined_key)
+            if joined >= incumbents:
+                return
+            record = self._read_state()[1]
+            if record is None or record.status is not Status.JOINABLE or not record.is_round(version, rid):
+                return
+            self._progress("joining", version, joined, deadline)
+            wait_for_change(self.kv, self.keys.tree, revision, until)
+
+    def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
+        """CAS joinable -> frozen with ``participants`` members (the frozen record has no TTL)."""
+        frozen = RoundRecord(Status.FROZEN, version, rid, participants=participants)
+        try:
+            if self._transition(version, rid, Status.JOINABLE, lambda _: frozen, deadline) is not None:
+                self._log(logging.INFO, "froze the round with %d nodes", participants, version=version)
+        except Deadline:
+            pass
+
+    def _last_call(self, version: int, rid: str | None, deadline: float) -> None:
+        """Own the last call: keep the round alive by TTL, freeze at the end (after
+        ``handle_join_last_call``).
+
+        Raises:
+            Deadline: the deadline passed before the round was marked.
+        """
+        p = self.params
+        ttl = p.keep_alive_ttl
+        marked = self._transition(version, rid, Status.JOINABLE, lambda r: r.replace(last_call=self.node_id),
+                                  deadline, ttl=ttl)  # ephemeral from now on
+        if marked is None:
+            return
+        end = min(time.monotonic() + p.last_call_timeout, deadline)
+        self._log(logging.INFO, "reached min_nodes; last call for %.1f s", p.last_call_timeout, version=version)
+        while True:
+            entry, record = self._read_state()
+            if entry is None or record is None or record.status is not Status.JOINABLE or \
+                    not record.is_round(version, rid):
+                return
+            now = time.monotonic()
+            if now >= end:
+                self._freeze(version, rid, min(self._counter(self.keys.joined(version, rid)), p.limit), deadline)
+                return
+            try:
+                self.kv.refresh(self.keys.round_record, ttl)
+            except KeyNotFoundError:
+                return
+            self._progress("last-call", version, self._counter(self.keys.joined(version, rid)), deadline)
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end))
+
+    def _wait_until_not_joinable(self, version: int, rid: str | None, deadline: float) -> tuple[Entry, RoundRecord]:
+        """Wait for the round to leave ``joinable``; destroy it if it reached ``min_nodes`` and has had
+        no last-call owner for two looks ``2 x keep_alive_ttl`` apart (``docs/design.md``)."""
+        ttl = self.params.keep_alive_ttl
+        stalled_at: int | None = None
+        while True:
+            entry, record = self._read_state()
+            if entry is None or record is None:
+                raise Retry(f"round {version} expired before it froze")
+            if record.status is not Status.JOINABLE or not record.is_round(version, rid):
+                return entry, record
+            joined = self._counter(self.keys.joined(version, rid))
+            self._progress("joining", version, joined, deadline)
+            if joined >= self.params.min_nodes and record.last_call is None:
+                if stalled_at == entry.revision:
+                    self._destroy(entry, f"round {version} stalled with {joined} nodes and no last-call owner")
+                    raise Retry("stalled round destroyed")
+                stalled_at = entry.revision
+            else:
+                stalled_at = None
+            if time.monotonic() >= deadline:
+                raise Deadline()
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + 2 * ttl, deadline))
+
+    def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> RoundResult:
+        """Confirm membership with a keep-alive key; the last to confirm makes the round final
+        (after ``confirm_phase``). Two writes per member: its keep-alive key and, once per member and
+        round (also when resumed), the ``confirmed`` counter."""
+        ttl = self.params.keep_alive_ttl
+        alive_key = self.keys.alive(version, rid, rank)
+        info = {"rank": rank, "node": self.node_id, "host": socket.gethostname(), "since": round(time.time(), 3)}
+        self.kv.put(alive_key, encode_json(info), ttl=ttl)
+        self._alive_key, self._alive_info = alive_key, info
+        self._keepalive = KeepAlive(
+            self.kv, alive_key, ttl, value=encode_json(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
+        )
+        held = self._held
+        if held is not None and held.confirmed and held.is_round(version, rid):
+            # Resumed after a backend error: counted already (or maybe: the add's answer was lost). Never
+            # count twice: a lost confirmation stalls the round (destroyed after keep_alive_ttl), one
+            # counted twice would make it final without a member.
+            confirmed = self._counter(self.keys.confirmed(version, rid))
+        else:
+            self._held = Held(version, rid, rank + 1, confirmed=True)
+            confirmed = self._add(self.keys.confirmed(version, rid))
+        if confirmed == world:
+            final = RoundRecord(Status.FINAL, version, rid, participants=world)
+            try:
+                self._transition(version, rid, Status.FROZEN, lambda _: final, deadline)
+            except Deadline:
+                pass
+        while True:
+            entry, record = self._read_state()
+            if entry is None or record is None or not record.is_round(version, rid) or \
+                    record.status not in (Status.FROZEN, Status.FINAL):
+                raise Retry(f"round {version} ended before it became final")
+            if record.status is Status.FINAL:
+                self._final_revision = entry.revision
+                return RoundResult(version, rank, world, rid or "")
+            self._check_frozen_stall(entry, record)
+            self._progress("confirming", version, world, deadline)
+            if time.monotonic() >= deadline:
+                raise Deadline()
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + ttl / 3, deadline))
+
+    def _check_frozen_stall(self, entry: Entry, record: RoundRecord) -> None:
+        """Destroy a frozen round whose (record revision, confirmation count) has not changed for
+        ``keep_alive_ttl`` seconds on this node's monotonic clock.
+
+        Raises:
+            Retry: the round was destroyed (by this node or another).
+        """
+        confirmed = self._counter(self.keys.confirmed(record.version, record.id))
+        if self._stall.same_for((entry.key, entry.revision, confirmed)) >= self.params.keep_alive_ttl:
+            self._destroy(entry, f"round {record.version} stalled while frozen: {confirmed} of "
+                                 f"{record.participants} members confirmed")
+            raise Retry("stalled frozen round destroyed")
+
+    def _wait_as_late_node(self, entry: Entry, record: RoundRecord, deadline: float) -> float:
+        """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed (after
+        ``handle_existing_rendezvous``). In a full round (``max_nodes`` members) this node is a
+        *spare*: it waits without a deadline and logs every :data:`SPARE_LOG_EVERY` s.
+
+        Returns:
+            the seconds spent as a spare (credited back to the overall deadline).
+        """
+        version, rid = record.version, record.id
+        world = record.participants or 0
+        spare = world >= self.params.limit
+        if version not in self._announced:
+            self._add(self.keys.waiting(version, rid))
+            self._announced.add(version)
+        started = time.monotonic()
+        if spare and self._spare_since is None:
+            self._spare_since = started
+        logged = -float("inf")
+        alive_dir = self.keys.alive_dir(version, rid)
+        while True:
+            alive, revision = self.kv.list(alive_dir)
+            missing = missing_ranks(alive, world)
+            if missing:
+                self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
+                break
+            now = time.monotonic()
+            if spare and now - logged >= SPARE_LOG_EVERY:
+                logged = now
+                self._log(logging.INFO, "run full (%d of max_nodes=%d members): waiting as a spare", world,
+                          self.params.max_nodes, version=version)
+            self._progress("spare" if spare else "waiting", version, world, deadline + (now - started) * spare)
+            if not spare and now >= deadline:
+                break
+            next_check = now + self.params.keep_alive_ttl
+            wait_for_change(self.kv, self.keys.tree, revision, next_check if spare else min(next_check, deadline))
+            entry_now = self._read_state()[0]
+            if entry_now is None or entry_now.revision != entry.revision:
+                break
+        # The members still in the old round now will re-form: let them join first (_defer_to_incumbents);
+        # a member of that round itself does not wait.
+        self._defer = None
+        if version != self._previous:
+            alive = self.kv.list(alive_dir)[0]  # the last look, after the record changed
+            working = sum(1 for e in alive if "finished" not in member_record(e))
+            self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
+        return time.monotonic() - started if spare else 0.0
+
+    # -- I/O helpers ---------------------------------------------------------------------------
+    def _read_state(self) -> tuple[Entry | None, RoundRecord | None]:
+        """One read of ``ROOT/state/``: the round record, or ``RoundRecord(Status.CLOSED)`` for a closed run.
+
+        Raises:
+            RendezvousStateError: the record is corrupt (:meth:`RoundRecord.decode`).
+        """
+        entries, _ = self.kv.list(self.keys.state_dir)
+        found = {e.key: e for e in entries}
+        closed = found.get(self.keys.closed)
+        if closed is not None:
+            return closed, RoundRecord(Status.CLOSED)
+        entry = found.get(self.keys.round_record)
+        if entry is None:
+            return None, None
+        return entry, RoundRecord.decode(entry)
+
+    def _transition(self, version: int, rid: str | None, source: Status,
+                    target: Callable[[RoundRecord], RoundRecord], deadline: float,
+                    ttl: float | None = None) -> Entry | None:
+        """Compare-and-swap the record of round ``(version, rid)`` from status ``source`` to
+        ``target(record)`` (with ``ttl`` seconds, or none), re-reading after every lost race.
+
+        Returns:
+            the new entry; ``None`` if the record left ``source`` (or is another round's) first.
+
+        Raises:
+            Deadline: ``deadline`` (``time.monotonic()``) passed first.
+        """
+        while time.monotonic() < deadline:
+            entry, record = self._read_state()
+            if entry is None or record is None or record.status is not source or not record.is_round(version, rid):
+                return None
+            try:
+                return self.kv.compare_and_swap(self.keys.round_record, target(record).encode(), entry.revision,
+                                                ttl=ttl)
+            except (CompareFailedError, KeyNotFoundError):
+                continue
+        raise Deadline()
+
+    def _destroy(self, entry: Entry, reason: str) -> None:
+        """Compare-and-delete the round record at ``entry``'s revision (someone else may have first)."""
+        try:
+            self.kv.compare_and_delete(self.keys.round_record, entry.revision)
+            self._log(logging.INFO, "destroyed the round: %s", reason)
+        except (CompareFailedError, KeyNotFoundError):
+            pass
+
+    def _counter(self, key: str) -> int:
+        """The counter at ``key`` (0 if absent); a corrupt one is a :class:`RendezvousStateError`."""
+        entry = self.kv.get(key)
+        if entry is None:
+            return 0
+        try:
+            return parse_counter(key, entry.value)
+        except CorruptEntryError as exc:
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+
+    def _add(self, key: str) -> int:
+        """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
+        try:
+            return self.kv.add(key, 1)
+        except CorruptEntryError as exc:
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+
+    def _watch_round(self, result: RoundResult) -> None:
+        """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
+        self._unwatch_round()
+        self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
+                                                self._final_revision)
+        roundwatch.subscribe(self, self.kv, self._watched)
+
+    def _unwatch_round(self) -> None:
+        if self._watched is not None:
+            roundwatch.unsubscribe(self, self._watched)
+            self._watched = None
+
+    def _stop_keepalive(self, delete: bool, forget: bool = True) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+            self._keepalive = None
+        if delete and self._alive_key is not None:
+            try:
+                self.kv.delete(self._alive_key)
+            except (BackendUnavailableError, BackendClosedError) as exc:
+                self._log(logging.WARNING, "could not delete the keep-alive key (it will lapse): %s", exc)
+        if forget:
+            self._alive_key = None
+
+    def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:
+        if self.on_progress is not None:
+            p = self.params
+            self.on_progress(Progress(phase, version, joined, p.min_nodes, p.limit,
+                                      max(0.0, deadline - time.monotonic())))
+
+    def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None:
+        """Log ``msg`` prefixed with ``run=RUN_ID version=V rank=R`` (``-`` where unknown); the same
+        values go into the record's ``extra`` as ``rdzv_run_id``, ``rdzv_version``, ``rdzv_rank``."""
+        if not log.isEnabledFor(level):
+            return
+        current = self.current
+        if version is None and current is not None:
+            version = current.version
+        rank = current.rank if current is not None and current.version == version else None
+        extra = {"rdzv_run_id": self.run_id, "rdzv_version": version, "rdzv_rank": rank}
+        log.log(level, "run=%s version=%s rank=%s: " + msg,
+                self.run_id, "-" if version is None else version, "-" if rank is None else rank, *args, extra=extra)

@@ -1,0 +1,232 @@
+"""The round record, the keep-alive record and the run's key map: encoded and decoded here only.
+
+Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
+
+    ROOT/state/round            JSON round record (the only key compare-and-swapped)
+    ROOT/state/closed           present once the run is closed (never expires)
+    ROOT/counter/version        round version counter
+    ROOT/v_V.ID/joined          join tickets of round V (ticket t -> rank t-1)
+    ROOT/v_V.ID/confirmed       confirmations of round V
+    ROOT/v_V.ID/waiting         late nodes counted while V is final
+    ROOT/v_V.ID/alive/rank_R    keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
+    ROOT/v_V.ID/extra/KEY       extra data of round V
+    ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
+
+``ID`` is the round record's random id (:func:`round_segment`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ..errors import RendezvousStateError
+from ..kv import Entry, escape_segment, join_key
+from ..url import validate_run_id
+
+__all__ = ["Status", "RoundRecord", "RunKeys", "round_segment", "member_record", "missing_ranks",
+           "encode_json", "MAX_STATE_BYTES"]
+
+#: Bytes a round record may have at most (a larger one is corrupt).
+MAX_STATE_BYTES = 4096
+#: A round id as written in a record (``uuid4().hex[:16]``) and read back: it becomes part of a key segment.
+_ROUND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: The last segment of a keep-alive key: ``rank_R``.
+RANK_PREFIX = "rank_"
+
+
+class Status(str, enum.Enum):
+    """A round's status; ``CLOSED`` is the run's own key (``state/closed``), never a stored record's."""
+
+    SETUP = "setup"
+    JOINABLE = "joinable"
+    FROZEN = "frozen"
+    FINAL = "final"
+    CLOSED = "closed"
+
+
+_STORED = {s.value: s for s in (Status.SETUP, Status.JOINABLE, Status.FROZEN, Status.FINAL)}
+
+
+def encode_json(data: dict[str, Any]) -> bytes:
+    """``data`` as the JSON bytes every record is stored as (sorted keys, UTF-8)."""
+    return json.dumps(data, sort_keys=True).encode("utf-8")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """The round record ``ROOT/state/round`` (or the closed mark, as ``Status.CLOSED``).
+
+    Attributes:
+        status: :class:`Status`.
+        version: the round version (int >= 1; 0 for a setup record and the closed mark).
+        id: the round's random id (``None`` for a record without one).
+        participants: the members of a frozen or final round (int >= 1), else ``None``.
+        last_call: the node id of the last-call owner of a joinable round, else ``None``.
+    """
+
+    status: Status
+    version: int = 0
+    id: str | None = None
+    participants: int | None = None
+    last_call: str | None = None
+
+    def is_round(self, version: int, rid: str | None) -> bool:
+        """Whether this is the round ``(version, rid)`` (``rid`` ``None``: a record without id)."""
+        return self.version == version and self.id == rid
+
+    def replace(self, **changes: Any) -> "RoundRecord":
+        """A copy with ``changes`` (field name -> value)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as stored: a JSON object, keys sorted, fields that are ``None`` or 0 left out."""
+        out = {"id": self.id, "last_call": self.last_call, "participants": self.participants,
+               "status": self.status.value, "version": self.version}
+        return {name: value for name, value in out.items() if value is not None and value != 0}
+
+    def encode(self) -> bytes:
+        """The stored bytes (:func:`encode_json` of :meth:`as_dict`)."""
+        return encode_json(self.as_dict())
+
+    @classmethod
+    def decode(cls, entry: Entry) -> "RoundRecord":
+        """Parse and check the round record in ``entry``.
+
+        Raises:
+            RendezvousStateError: too large, not JSON, no valid ``status``, a bad ``version``,
+                ``id`` or (frozen, final) ``participants``; names ``entry.key``.
+        """
+        key = entry.key
+        if len(entry.value) > MAX_STATE_BYTES:
+            raise RendezvousStateError(
+                f"round record at {key!r} is {len(entry.value)} bytes (> {MAX_STATE_BYTES}); reset the run's state",
+                key)
+        try:
+            state = json.loads(entry.value.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise RendezvousStateError(f"round record at {key!r} is not JSON: {entry.value[:60]!r}", key) from None
+        if not isinstance(state, dict) or state.get("status") not in _STORED:
+            raise RendezvousStateError(f"round record at {key!r} has no valid 'status': {state!r:.120}", key)
+        status = _STORED[state["status"]]
+        version = 0 if status is Status.SETUP else _int_field(state, "version", key)
+        rid = state.get("id")
+        if rid is not None and not (isinstance(rid, str) and _ROUND_ID.fullmatch(rid)):
+            raise RendezvousStateError(f"round record at {key!r}: 'id' must be 1-64 letters, digits, '_' or '-' "
+                                       f"(it names the round's keys), got {rid!r:.80}", key)
+        if status in (Status.FROZEN, Status.FINAL):
+            participants: int | None = _int_field(state, "participants", key)
+        else:
+            raw = state.get("participants")
+            participants = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+        last_call = state.get("last_call")
+        return cls(status, version, rid, participants, None if last_call is None else str(last_call))
+
+
+def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1) -> int:
+    value = state.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RendezvousStateError(f"round record at {key!r}: {name!r} must be an int >= {minimum}, got {value!r}", key)
+    return value
+
+
+def round_segment(version: int, rid: str | None) -> str:
+    """The key segment of round ``(version, rid)``: ``v_V.RID``, or ``v_V`` for a record without id.
+
+    The round's random id in every per-round key (and its Store's prefix) keeps a round from
+    reading or writing another's keys, also one of the same version after the backend lost the
+    run's keys and the version counter started again.
+    """
+    return f"v_{version}.{rid}" if rid else f"v_{version}"
+
+
+@dataclass(frozen=True)
+class RunKeys:
+    """Every key of one run (see the module docstring), for the state machine, ``rdzv status`` and tests.
+
+    Args:
+        prefix: the key prefix (``RendezvousParams.prefix``, e.g. ``"torchelastic/p2p"``).
+        run_id: the run id (checked as :func:`rdzv_core.url.validate_run_id` does).
+
+    Raises:
+        InvalidURLError: ``run_id`` is not a valid run id.
+    """
+
+    prefix: str
+    run_id: str
+    root: str = dataclasses.field(init=False)  #: ``PREFIX/run_RUN_ID``
+    tree: str = dataclasses.field(init=False)  #: ``ROOT/``: every key of the run
+    state_dir: str = dataclasses.field(init=False)  #: ``ROOT/state/``: the round record and the closed mark
+    round_record: str = dataclasses.field(init=False)  #: ``ROOT/state/round``
+    closed: str = dataclasses.field(init=False)  #: ``ROOT/state/closed``
+    version_counter: str = dataclasses.field(init=False)  #: ``ROOT/counter/version``
+
+    def __post_init__(self) -> None:
+        root = join_key(self.prefix, "run_" + validate_run_id(self.run_id))
+        for name, value in (("root", root), ("tree", root + "/"), ("state_dir", root + "/state/"),
+                            ("round_record", root + "/state/round"), ("closed", root + "/state/closed"),
+                            ("version_counter", root + "/counter/version")):
+            object.__setattr__(self, name, value)
+
+    def of_round(self, version: int, rid: str | None, *parts: str) -> str:
+        """A key of round ``(version, rid)``: ``ROOT/v_V.RID/PARTS``."""
+        return join_key(self.root, round_segment(version, rid), *parts)
+
+    def round_dir(self, version: int, rid: str | None) -> str:
+        """``ROOT/v_V.RID/``: every per-round key of the round but its Store's."""
+        return self.of_round(version, rid) + "/"
+
+    def joined(self, version: int, rid: str | None) -> str:
+        return self.of_round(version, rid, "joined")
+
+    def confirmed(self, version: int, rid: str | None) -> str:
+        return self.of_round(version, rid, "confirmed")
+
+    def waiting(self, version: int, rid: str | None) -> str:
+        return self.of_round(version, rid, "waiting")
+
+    def alive_dir(self, version: int, rid: str | None) -> str:
+        """``ROOT/v_V.RID/alive/``: the round's keep-alive keys."""
+        return self.of_round(version, rid, "alive") + "/"
+
+    def alive(self, version: int, rid: str | None, rank: int) -> str:
+        """``ROOT/v_V.RID/alive/rank_R``: the keep-alive key of ``rank``."""
+        return self.of_round(version, rid, "alive", f"{RANK_PREFIX}{rank}")
+
+    def extra_dir(self, version: int, rid: str | None) -> str:
+        return self.of_round(version, rid, "extra") + "/"
+
+    def extra(self, version: int, rid: str | None, name: str) -> str:
+        """The key of extra data ``name`` (any string; escaped as one segment) of the round."""
+        return self.of_round(version, rid, "extra", escape_segment(name))
+
+    def store_prefix(self, version: int, rid: str | None) -> str:
+        """``ROOT/store/v_V.RID/``: the prefix of the round's c10d Store."""
+        return join_key(self.root, "store", round_segment(version, rid)) + "/"
+
+
+def rank_of(key: str) -> str:
+    """The last segment of a keep-alive key (``rank_R`` for one this module wrote)."""
+    return key.rsplit("/", 1)[-1]
+
+
+def missing_ranks(entries: Iterable[Entry], world: int) -> list[int]:
+    """The ranks ``0 .. world-1`` without a keep-alive key among ``entries`` (a listing of ``alive_dir``)."""
+    present = {rank_of(e.key) for e in entries}
+    return [r for r in range(world) if f"{RANK_PREFIX}{r}" not in present]
+
+
+def member_record(entry: Entry) -> dict[str, Any]:
+    """A keep-alive record as plain data with its ``key``; a malformed one is reported, not raised
+    (``{"key": ..., "corrupt": repr of its start}``: ``rdzv status`` shows it)."""
+    try:
+        member = json.loads(entry.value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        member = None
+    if not isinstance(member, dict):
+        return {"key": entry.key, "corrupt": repr(entry.value[:60])}
+    return {"key": entry.key, **member}
