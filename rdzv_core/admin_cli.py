@@ -380,7 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rdzv: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return 1
     except BackendUnavailableError as exc:
-        print(f"rdzv: {type(exc).__name__}: {exc} (is the server running and the URL right?)", file=sys.stderr)
+        hint = "" if "running there?" in str(exc) else " (is the server running and the URL right?)"  # once
+        print(f"rdzv: {type(exc).__name__}: {exc}{hint}", file=sys.stderr)
         return 3
     except RdzvError as exc:
         print(f"rdzv: {type(exc).__name__}: {exc}", file=sys.stderr)

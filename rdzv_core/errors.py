@@ -207,7 +207,8 @@ class ConfigError(RdzvError, ValueError):
         self.reason = reason
         shown = repr(value)
         if len(shown) > MAX_SHOWN_CHARS:  # a 20 KB query value must not become a 20 KB error line
-            shown = f"{shown[:MAX_SHOWN_CHARS - 20]}... ({len(shown)} chars)"
+            size = len(value) if isinstance(value, (str, bytes)) else len(shown)  # the value's, not its repr's
+            shown = f"{shown[:MAX_SHOWN_CHARS - 20]}... ({size} chars)"
         super().__init__(f"invalid value for {field!r}: {shown}: {reason}")
 
 

@@ -26,3 +26,11 @@ def test_a_bad_timeout_is_an_invalid_argument_not_a_bad_key() -> None:
             pass
     assert info.value.field == "timeout" and not isinstance(info.value, errors.InvalidKeyError)
     assert issubclass(errors.InvalidKeyError, errors.InvalidArgumentError)  # a bad key is a bad argument too
+
+
+def test_a_long_value_is_cut_with_its_own_length() -> None:
+    """A value too long to show is cut, with the value's length (129), not its quoted form's (131)."""
+    from rdzv_core.errors import ConfigError
+
+    message = str(ConfigError("rdzv_id", "x" * 129, "too long"))
+    assert "(129 chars)" in message and len(message) < 300
