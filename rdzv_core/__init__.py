@@ -14,33 +14,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from . import errors as _errors
 from .errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
-    CompareFailed,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CompareFailedError,
     ConfigError,
-    HistoryCompacted,
+    CorruptEntryError,
+    HistoryCompactedError,
+    InvalidArgumentError,
     InvalidKeyError,
     InvalidURLError,
-    KeyExists,
-    KeyNotFound,
+    KeyExistsError,
+    KeyNotFoundError,
     KVError,
     PluginError,
     RdzvError,
-    RendezvousClosed,
-    RendezvousGracefulExit,
+    RendezvousClosedError,
+    RendezvousGracefulExitError,
     RendezvousStateError,
-    RendezvousTimeout,
+    RendezvousTimeoutError,
     UnknownBackendError,
-    ValueTooLarge,
-    CorruptEntry,
+    ValueTooLargeError,
 )
 from .kv import Capabilities, Entry, Event, EventType, KVBackend, escape_segment, unescape_segment
 from .plugins import BackendInfo, BackendSpec, hookimpl, list_backends, open_backend, parse_backend_url
 from .plugins import get_registry as get_registry  # noqa: F401  (imported from here before; not in __all__)
 from .rendezvous import Progress, Rendezvous, RendezvousParams, RoundResult
+from .rendezvous.record import RoundRecord, RunKeys, Status
 from .url import RendezvousURL, parse_url
 
 if TYPE_CHECKING:
@@ -68,31 +71,43 @@ __all__ = [
     "RendezvousParams",
     "RoundResult",
     "Progress",
-    "RendezvousClosed",
-    "RendezvousGracefulExit",
-    "RendezvousTimeout",
+    "RoundRecord",
+    "RunKeys",
+    "Status",
     "RendezvousURL",
     "parse_url",
-    # errors
+    # errors (the former names without "Error" stay importable: errors.OLD_NAMES)
     "RdzvError",
     "KVError",
-    "KeyExists",
-    "KeyNotFound",
-    "CompareFailed",
-    "HistoryCompacted",
-    "ValueTooLarge",
-    "CorruptEntry",
-    "BackendClosed",
-    "BackendUnavailable",
+    "KeyExistsError",
+    "KeyNotFoundError",
+    "CompareFailedError",
+    "HistoryCompactedError",
+    "ValueTooLargeError",
+    "CorruptEntryError",
+    "BackendClosedError",
+    "BackendUnavailableError",
     "BackendConnectionError",
-    "BackendTimeout",
+    "BackendTimeoutError",
     "ConfigError",
+    "InvalidArgumentError",
     "InvalidKeyError",
     "InvalidURLError",
     "UnknownBackendError",
     "PluginError",
+    "RendezvousClosedError",
+    "RendezvousGracefulExitError",
+    "RendezvousTimeoutError",
     "RendezvousStateError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """The former error names (``BackendUnavailable``, ...): the same classes as their ``...Error`` names."""
+    new = _errors.OLD_NAMES.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(_errors, new)
 
 
 def create_handler(url: str | RendezvousURL, **overrides: Any) -> "RendezvousHandler":
