@@ -1,12 +1,12 @@
 """The elastic agent's vocabulary: specs, workers, states and failures.
 
 Names and semantics follow torchelastic's agent API (``torchelastic.agent.server.api``,
-the seed ``torch_elastic_api.py``): a :class:`WorkerSpec` is the blueprint of one
+torchelastic's ``torch_elastic_api.py``): a :class:`WorkerSpec` is the blueprint of one
 role's workers, a :class:`WorkerGroup` the live set of them on one node, and an
 :class:`ElasticAgent` runs the group until it succeeds or gives up. The agent
 talks to the rendezvous only through torch's ``RendezvousHandler`` interface.
 
-Differences from the seed: validation raises :class:`~rdzv_core.errors.ConfigError`
+Differences from torchelastic's: validation raises :class:`~rdzv_core.errors.ConfigError`
 (naming the field and the value) instead of asserting; ``max_restarts=0`` is
 valid; a failed worker is described by a :class:`WorkerFailure`.
 """

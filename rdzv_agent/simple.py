@@ -1,6 +1,6 @@
 """``SimpleElasticAgent``: rendezvous, start, monitor, restart — torchelastic's agent loop.
 
-The loop (the seed's ``SimpleElasticAgent.run``)::
+The loop (torchelastic's ``SimpleElasticAgent.run``)::
 
     rendezvous -> start workers -> every monitor_interval:
         SUCCEEDED           -> return the workers' results
@@ -9,7 +9,7 @@ The loop (the seed's ``SimpleElasticAgent.run``)::
         HEALTHY             -> if handler.num_nodes_waiting() > 0: restart, which
                                does NOT spend a restart (membership change)
 
-Additions to the seed: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
+Additions to torchelastic's: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
 round's store (:mod:`rdzv_agent.master`), unless the handler shares its own store
 with the workers (``use_agent_store``, e.g. torch's static rendezvous): then the
 workers get that store's address (``bootstrap_store_info``) and

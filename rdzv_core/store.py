@@ -1,4 +1,4 @@
-"""A c10d ``Store`` over any :class:`~rdzv_core.kv.KVBackend` (the seed's ``EtcdStore``, generalised).
+"""A c10d ``Store`` over any :class:`~rdzv_core.kv.KVBackend` (torchelastic's ``EtcdStore``, generalised).
 
 Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
 segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix

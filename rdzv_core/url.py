@@ -132,7 +132,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "operation_timeout": to_positive_float,
 }
 
-#: Other names accepted for the canonical keys (the seed's and torch's names).
+#: Other names accepted for the canonical keys (torchelastic's and torch's names).
 QUERY_ALIASES: dict[str, str] = {
     "min_workers": "min_nodes",
     "max_workers": "max_nodes",
