@@ -172,7 +172,7 @@ class _PetValue(env):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
         namespace.__dict__.setdefault(_GIVEN, set()).add(self.dest)
-        super().__call__(parser, namespace, values, option_string)
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[no-untyped-call]  # torch's
 
 
 class _PetFlag(check_env):
@@ -197,7 +197,7 @@ class _PetFlag(check_env):
 
     def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
         namespace.__dict__.setdefault(_GIVEN, set()).add(self.dest)
-        super().__call__(parser, namespace, values, option_string)
+        super().__call__(parser, namespace, values, option_string)  # type: ignore[no-untyped-call]  # torch's
 
 
 class _Parser(argparse.ArgumentParser):

@@ -318,10 +318,10 @@ class _RoundStore(KVStore):
             hook, self._on_exit_barrier = self._on_exit_barrier, None
             hook()
 
-    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def set(self, key: str, value: str | bytes) -> None:
         self._entering(key)
         super().set(key, value)
 
-    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+    def add(self, key: str, amount: int) -> int:
         self._entering(key)
         return super().add(key, amount)

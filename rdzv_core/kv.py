@@ -287,7 +287,7 @@ def call_budget(operation_timeout: float) -> float:
     Raises:
         BackendTimeout: that deadline has passed.
     """
-    at = getattr(_call_deadline, "at", None)
+    at: float | None = getattr(_call_deadline, "at", None)
     if at is None:
         return operation_timeout
     left = at - time.monotonic()

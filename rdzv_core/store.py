@@ -30,6 +30,7 @@ import time
 from typing import Iterator, Sequence
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store as _C10dStore  # dist.Store, typed (torch's .pyi)
 
 from .errors import (
     BackendClosed,
@@ -68,7 +69,7 @@ def _as_bytes(field: str, data: str | bytes | bytearray | Sequence[int]) -> byte
     raise TypeError(f"{field} must be str or bytes, got {type(data).__name__}")
 
 
-class KVStore(dist.Store):
+class KVStore(_C10dStore):
     """``torch.distributed.Store`` backed by a KV backend.
 
     Args:
@@ -90,7 +91,7 @@ class KVStore(dist.Store):
         return f"KVStore(prefix={self._prefix!r}, timeout={self._timeout})"
 
     @property
-    def timeout(self) -> datetime.timedelta:  # type: ignore[override]
+    def timeout(self) -> datetime.timedelta:
         """Default timeout of blocking operations."""
         return self._timeout
 
@@ -118,12 +119,12 @@ class KVStore(dist.Store):
         return self._prefix + "~" + hashlib.sha256(raw).hexdigest()  # long keys: a digest segment
 
     # -- writes -------------------------------------------------------------
-    def set(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def set(self, key: str, value: str | bytes) -> None:
         """Write ``value`` at ``key``."""
         with self._bounded("set"):
             self._kv.put(self._key(key), _as_bytes("value", value))
 
-    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:  # type: ignore[override]
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         """Write each ``values[i]`` at ``keys[i]`` (one write per key)."""
         if len(keys) != len(values):
             raise ValueError(f"multi_set: {len(keys)} keys but {len(values)} values")
@@ -136,12 +137,12 @@ class KVStore(dist.Store):
             for full, data in pairs:
                 self._kv.put(full, data)
 
-    def add(self, key: str, amount: int) -> int:  # type: ignore[override]
+    def add(self, key: str, amount: int) -> int:
         """Atomically add ``amount`` to the decimal integer at ``key`` (absent = 0); return the sum."""
         with self._bounded("add"):
             return self._kv.add(self._key(key), int(amount))
 
-    def append(self, key: str, value: str | bytes) -> None:  # type: ignore[override]
+    def append(self, key: str, value: str | bytes) -> None:
         """Append ``value`` to the bytes at ``key`` (creating it), atomically (compare-and-swap loop)."""
         full, data = self._key(key), _as_bytes("value", value)
         with self._bounded("append"):
@@ -156,7 +157,7 @@ class KVStore(dist.Store):
                 except (KeyExists, KeyNotFound, CompareFailed):
                     time.sleep(random.uniform(0, 0.005))
 
-    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:  # type: ignore[override]
+    def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """c10d ``compareSet``: store ``desired_value`` if the current value is ``expected_value``
         (an absent key matches an empty ``expected_value``); return the value now stored
         (the current one, unchanged, when the comparison fails; ``expected_value`` for an
@@ -179,13 +180,13 @@ class KVStore(dist.Store):
                 except (KeyExists, KeyNotFound, CompareFailed):
                     time.sleep(random.uniform(0, 0.005))
 
-    def delete_key(self, key: str) -> bool:  # type: ignore[override]
+    def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""
         with self._bounded("delete_key"):
             return self._kv.delete(self._key(key))
 
     # -- reads --------------------------------------------------------------
-    def get(self, key: str) -> bytes:  # type: ignore[override]
+    def get(self, key: str) -> bytes:
         """Return the value at ``key``, waiting up to the timeout for it to be set.
 
         Raises:
@@ -194,12 +195,12 @@ class KVStore(dist.Store):
         with self._bounded("get"):
             return self._wait_get([key], self._timeout)[0]
 
-    def multi_get(self, keys: list[str]) -> list[bytes]:  # type: ignore[override]
+    def multi_get(self, keys: list[str]) -> list[bytes]:
         """Return the values of ``keys`` (waiting for all, like ``get``)."""
         with self._bounded("multi_get"):
             return self._wait_get(keys, self._timeout)
 
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:  # type: ignore[override]
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Wait until every key in ``keys`` is set.
 
         Raises:
@@ -209,17 +210,17 @@ class KVStore(dist.Store):
         with self._bounded("wait", limit):
             self._wait_get(keys, limit)
 
-    def check(self, keys: list[str]) -> bool:  # type: ignore[override]
+    def check(self, keys: list[str]) -> bool:
         """Whether every key in ``keys`` is set right now (no waiting)."""
         with self._bounded("check"):
             return all(self._kv.get(self._key(k)) is not None for k in keys)
 
-    def num_keys(self) -> int:  # type: ignore[override]
+    def num_keys(self) -> int:
         """Number of keys in this store."""
         with self._bounded("num_keys"):
             return len(self._kv.list(self._prefix)[0])
 
-    def clone(self) -> "KVStore":  # type: ignore[override]
+    def clone(self) -> "KVStore":
         """This same store (it is thread-safe).
 
         c10d clones stores for its own threads. A fresh Python object handed to C++
@@ -228,7 +229,7 @@ class KVStore(dist.Store):
         """
         return self
 
-    def list_keys(self) -> list[str]:  # type: ignore[override]
+    def list_keys(self) -> list[str]:
         """The keys of this store that are valid UTF-8 (digest-named long keys are not listed)."""
         out = []
         with self._bounded("list_keys"):
@@ -242,7 +243,7 @@ class KVStore(dist.Store):
                     continue
         return out
 
-    def has_extended_api(self) -> bool:  # type: ignore[override]
+    def has_extended_api(self) -> bool:
         """This store implements ``append``, ``multi_get`` and ``multi_set``."""
         return True
 
