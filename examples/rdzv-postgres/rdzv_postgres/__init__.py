@@ -45,8 +45,7 @@ __all__ = ["plugin", "open_postgres", "CAPABILITIES", "DEFAULT_PORT", "QUERY_KEY
 DEFAULT_PORT = 5432
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
 
-#: Kept here (not imported from .backend) so that registering costs no psycopg import;
-#: ``tests/test_postgres.py`` checks the two are equal.
+#: Defined here, not in .backend (which imports it from here), so that registering costs no psycopg import.
 CAPABILITIES = Capabilities(
     multi_host=True,
     server_side_ttl=True,

@@ -71,6 +71,8 @@ from typing import Any, Callable, Iterator, TypeVar
 import psycopg
 from psycopg import errors as pg_errors
 
+from . import CAPABILITIES as _CAPABILITIES
+
 from rdzv_core.errors import (
     BackendClosed,
     BackendConnectionError,
@@ -83,7 +85,7 @@ from rdzv_core.errors import (
     KVError,
     RdzvError,
 )
-from rdzv_core.kv import Capabilities, Entry, Event, EventType, KVBackend, parse_counter
+from rdzv_core.kv import Entry, Event, EventType, KVBackend, parse_counter
 
 __all__ = [
     "PostgresBackend",
@@ -99,7 +101,7 @@ log = logging.getLogger(__name__)
 #: Events kept in ``NS_events`` unless the URL sets ``history_limit``.
 HISTORY_LIMIT = 10_000
 #: Largest value accepted (bytes); each value is held twice while its event is kept.
-MAX_VALUE_BYTES = 64 * 1024 * 1024
+MAX_VALUE_BYTES: int = _CAPABILITIES.max_value_bytes or 0
 #: Seconds a call may take when the URL sets no ``operation_timeout``.
 DEFAULT_OPERATION_TIMEOUT = 10.0
 #: Longest wait (seconds) of a watch between two polls, even without a notification.
@@ -117,17 +119,7 @@ _TIMEOUTS: tuple[type[Exception], ...] = (pg_errors.QueryCanceled, pg_errors.Loc
     (pg_errors.ConnectionTimeout,) if hasattr(pg_errors, "ConnectionTimeout") else ()
 )
 
-CAPABILITIES = Capabilities(
-    multi_host=True,
-    server_side_ttl=True,
-    native_watch=True,
-    persistent=True,
-    tls=True,
-    auth=True,
-    max_value_bytes=MAX_VALUE_BYTES,
-    # A watcher sleeps until the next expiry (server clock), then purges it itself.
-    ttl_resolution=0.1,
-)
+CAPABILITIES = _CAPABILITIES  # one definition, in the package (registering imports no psycopg)
 
 T = TypeVar("T")
 
