@@ -1,8 +1,9 @@
 """Bad input to the etcd backends, against real servers: how fast, and naming what.
 
 TLS files (checked when the URL is parsed), TLS settings the server refuses
-(one handshake at open), and an ``etcd://`` URL pointed at an HTTP server that
-is not etcd. Each ``test_bad_input_*`` records ``time_to_error_s`` and
+(one handshake at open), ``protocol=http`` to an etcd with TLS and a URL
+pointed at an HTTP server that is not etcd (one plain ``GET /version`` at
+open). Each ``test_bad_input_*`` records ``time_to_error_s`` and
 ``bad_input`` (rendered into ``docs/reliability.md``). The URLs keep the
 default ``operation_timeout`` (10 s): the error must not wait for it.
 """
@@ -47,12 +48,14 @@ def timed_error(call: Callable[[], object]) -> tuple[BaseException | None, float
     return None, time.monotonic() - started
 
 
-def open_bad(url: str, bad_input: str, record_property: Any) -> tuple[InvalidURLError, float]:
-    """``open_backend(url)``, which must raise ``InvalidURLError``; records the time to the error."""
+def open_bad(url: str, bad_input: str, record_property: Any, kind: type[Exception] = InvalidURLError) -> tuple[
+        Any, float]:
+    """``open_backend(url)``, which must raise ``kind``; records the time to the error (also for
+    tests/test_bad_input_redis.py)."""
     error, elapsed = timed_error(lambda: open_backend(url))
     record_property("bad_input", bad_input)
     record_property("time_to_error_s", round(elapsed, 3))
-    assert isinstance(error, InvalidURLError), repr(error)
+    assert isinstance(error, kind), repr(error)
     return error, elapsed
 
 
@@ -201,6 +204,31 @@ def test_bad_input_etcd_v2_url_to_an_http_server_that_is_not_etcd(
     assert error.field == "host" and error.value == http_server
     assert "not etcd" in str(error) and "etcd-v3" not in str(error) and "--enable-v2" not in str(error)
     assert elapsed < FAST
+
+
+def test_bad_input_etcd_v3_url_to_an_http_server_that_is_not_etcd(http_server: str, record_property: Any) -> None:
+    error, elapsed = open_bad(f"etcd-v3://{http_server}/job", "etcd-v3 URL to an HTTP server that is not etcd",
+                              record_property)
+    assert error.field == "host" and error.value == http_server
+    assert "not etcd" in str(error) and "HTTP/2" not in str(error)
+    assert elapsed < FAST
+
+
+@pytest.mark.parametrize("scheme", ["etcd", *SCHEMES])
+def test_bad_input_protocol_http_to_an_etcd_that_speaks_tls(scheme: str, tls_etcd: EtcdServer,
+                                                             record_property: Any) -> None:
+    error, elapsed = open_bad(f"{scheme}://{tls_etcd.address}/job", "protocol=http (the default) to an etcd with TLS",
+                              record_property)
+    assert error.field == "protocol" and error.value == "http"
+    assert "speaks TLS" in str(error) and "add protocol=https" in str(error)
+    assert tls_etcd.address in str(error)
+    assert elapsed < FAST
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_plain_probe_skips_an_endpoint_that_refuses(scheme: str, plain_etcd: EtcdServer) -> None:
+    with open_backend(f"{scheme}://127.0.0.1:{free_port()},{plain_etcd.address}/job") as kv:
+        assert kv.put("probe", b"1").value == b"1"
 
 
 def test_bad_input_etcd_url_to_an_etcd_without_v2_names_the_scheme_as_typed(record_property: Any) -> None:

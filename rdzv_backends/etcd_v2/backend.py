@@ -18,6 +18,7 @@ from .._concurrency import AddCombiner, RaceRetry
 from .._etcd.budget import Deadline, FailureBudget, Tries
 from .._etcd.errors import key_gone, may_have_applied
 from .._etcd.settings import V2_CAPABILITIES, EtcdSettings, ttl_seconds
+from .._etcd.probe import probe_http
 from .._etcd.tls import check_tls
 from .mapping import (
     COMPARE_FAILED,
@@ -66,7 +67,9 @@ class EtcdV2Backend(KVBackend):
         InvalidURLError: the server does not serve the v2 API (started without
             ``--enable-v2``), or rejected the credentials; the URL names a user
             without a password; a TLS file cannot be used, or the server's TLS
-            handshake refuses it (see :func:`~rdzv_backends._etcd.tls.check_tls`).
+            handshake refuses it (see :func:`~rdzv_backends._etcd.tls.check_tls`);
+            ``protocol=http`` to a server that speaks TLS, or an endpoint that is
+            not etcd (see :func:`~rdzv_backends._etcd.probe.probe_http`).
         KVError: the installed ``python-etcd`` lacks ``Client.api_execute.__wrapped__``.
         BackendConnectionError, BackendTimeout: no endpoint answered within
             ``operation_timeout`` seconds.
@@ -81,6 +84,7 @@ class EtcdV2Backend(KVBackend):
         self._counters: dict[str, Counter] = {}  # key -> state last written by add (see _add_once)
         try:
             opening = Deadline(settings.operation_timeout)
+            probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once
             check_tls(settings, opening)  # names a wrong cacert or cert (urllib3's error would not)
             self._net.probe(opening)
         except BaseException:

@@ -31,6 +31,7 @@ from rdzv_core.kv import call_budget
 from .._etcd.budget import Deadline, Tries
 from .._etcd.endpoints import Endpoints
 from .._etcd.errors import Failure, give_up, transport_error
+from .._etcd.probe import answered, etcd_version, not_etcd
 from .._etcd.settings import EtcdSettings
 from .mapping import KEY_NOT_FOUND, LEADER_ELECT, NOT_FILE, RAFT_INTERNAL, UNAUTHORIZED, Answer
 
@@ -273,13 +274,9 @@ class Transport:
     def _no_v2(self, ep: _Endpoint) -> InvalidURLError:
         """The error for a 404 at ``/v2/keys``: an etcd without the v2 API, or no etcd (``GET /version`` tells)."""
         host = f"[{ep.host}]" if ":" in ep.host else ep.host
-        version, answered = self._etcd_version(ep)
+        version, what = self._etcd_version(ep)
         if version is None:
-            return InvalidURLError(
-                "host", f"{host}:{ep.port}",
-                f"the server at {ep.base_uri} is not etcd: /v2/keys/ is not there, and GET /version answered "
-                f"{answered}, not etcd's version; check the URL's host and port (etcd's client port is 2379)",
-            )
+            return not_etcd(ep.host, ep.port, ep.base_uri, what)
         return InvalidURLError(
             "scheme",
             self.settings.scheme,
@@ -298,14 +295,10 @@ class Transport:
             data = response.data or b""
         except (u3.HTTPError, http.client.HTTPException, OSError) as exc:
             return None, f"nothing ({_reason(exc)})"
-        try:
-            body = json.loads(data.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            body = None
-        if response.status == 200 and isinstance(body, dict) and "etcdserver" in body:
-            return str(body["etcdserver"]), "etcd's version"
-        first_line = data.split(b"\n", 1)[0][:60]
-        return None, f"HTTP {response.status} {first_line!r}"
+        version = etcd_version(response.status, data)
+        if version is not None:
+            return version, "etcd's version"
+        return None, answered(response.status, data)
 
     def probe(self, deadline: Deadline) -> None:
         """Check at open that some endpoint serves the v2 API."""

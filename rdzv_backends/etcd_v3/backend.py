@@ -18,6 +18,7 @@ from .._concurrency import AddCombiner, RaceRetry, ReadCoalescer
 from .._etcd.budget import Deadline, FailureBudget, Tries
 from .._etcd.errors import compare_error, key_gone, may_have_applied
 from .._etcd.settings import MAX_VALUE_BYTES, V3_CAPABILITIES, EtcdSettings, ttl_seconds
+from .._etcd.probe import probe_http
 from .._etcd.tls import check_tls
 from .client import etcdrpc, grpc, transactions
 from .keys import key_of, own_write, prefix_range, v3_key
@@ -51,7 +52,9 @@ class EtcdV3Backend(KVBackend):
     Raises:
         InvalidURLError: etcd rejected the user or password; a TLS file cannot
             be used, or the server's TLS handshake refuses it (see
-            :func:`~rdzv_backends._etcd.tls.check_tls`).
+            :func:`~rdzv_backends._etcd.tls.check_tls`); ``protocol=http`` to a
+            server that speaks TLS, or an endpoint that is not etcd (see
+            :func:`~rdzv_backends._etcd.probe.probe_http`).
         BackendConnectionError, BackendTimeout: no endpoint answered within
             ``operation_timeout`` seconds.
     """
@@ -61,6 +64,7 @@ class EtcdV3Backend(KVBackend):
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
         opening = Deadline(settings.operation_timeout)
+        probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once: gRPC would retry
         check_tls(settings, opening)  # a wrong cacert or cert at once: gRPC retries its handshake until the deadline
         self._net = Transport(settings, self._check_open, lambda: self._closed)
         self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it

@@ -72,6 +72,9 @@ def _open(url: RendezvousURL) -> RedisBackend:
             "Redis takes one host: one server endpoint (Sentinel and Cluster are not supported; for a replicated "
             "backend use etcd: README, 'High availability')",
         )
+    from rdzv_backends.redis._config import tls_files
+
+    tls = tls_files(url.scheme, url.params)  # the TLS files, checked before redis-py is imported
     try:
         from rdzv_backends.redis.backend import open_url
     except ImportError as exc:
@@ -80,7 +83,7 @@ def _open(url: RendezvousURL) -> RedisBackend:
         raise UnknownBackendError(
             "scheme", url.scheme, "needs the redis-py client, which is not installed: pip install 'rdzv[redis]'"
         ) from None
-    return open_url(url)
+    return open_url(url, tls)
 
 
 QUERY_KEYS: dict[str, Callable[[str, str], Any]] = {

@@ -10,6 +10,7 @@ from typing import Any
 
 import redis
 
+from rdzv_backends._tls import certificate_error, refused_certificate
 from rdzv_backends.redis._config import TLSFiles
 from rdzv_core.errors import (
     BackendConnectionError,
@@ -30,7 +31,8 @@ _AFTER_DELETE = {
     "#ttl": "without it, keys with a TTL expire in Redis alone, each recorded when a client next touches it",
     "#last": "nothing is lost without it (watches read the log until the next write starts it again)",
 }
-#: Largest value accepted (bytes). The value is held twice (data + log), so 64 MiB, not Redis' 512 MiB.
+#: The server's option naming the CAs whose client certificates it accepts (for messages).
+TRUSTED_CA_OPTION = "redis-server's --tls-ca-cert-file"
 #: OpenSSL verify codes X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
 _NAME_MISMATCH = (62, 64)
 
@@ -69,6 +71,10 @@ class _ErrorMap:
                 return InvalidURLError("cacert", self.tls.cacert if self.tls else None,
                                        f"the TLS certificate of {where} did not verify: "
                                        f"{verify.verify_message or verify}")
+            refused = refused_certificate(exc) if self.tls is not None else None
+            if refused is not None:
+                return certificate_error(f"{self.host}:{self.port}", self.tls.cert if self.tls else None, refused,
+                                         TRUSTED_CA_OPTION)
             if "Invalid Database" in text:
                 return InvalidURLError("db", self.db, f"{where} has no such database")
             if "No connection available" in text:

@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import socket
 import time
 from typing import Any, Iterator, Sequence, cast
 
@@ -25,13 +26,15 @@ from rdzv_backends.redis import (
     DEFAULT_OPERATION_TIMEOUT,
     DEFAULT_PORT,
 )
-from rdzv_backends.redis._config import TLSFiles, namespace_prefix
-from rdzv_backends.redis._errors import _copy_error, _ErrorMap
+from rdzv_backends.redis._config import TLSFiles, namespace_prefix, tls_files
+from rdzv_backends._tls import certificate_error, handshake, refused_certificate
+from rdzv_backends.redis._errors import TRUSTED_CA_OPTION, _copy_error, _ErrorMap, _find_cause
 from rdzv_backends.redis._listener import _Notifier, _Waiter
 from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SCRIPTS, HISTORY_LIMIT
 from rdzv_backends.redis._pool import _Pool, _stale
 from rdzv_core.errors import (
     BackendClosed,
+    BackendConnectionError,
     CompareFailed,
     CorruptEntry,
     HistoryCompacted,
@@ -128,13 +131,47 @@ class RedisBackend(KVBackend):
              None if tls is None else (tls.cacert, tls.cert, tls.key), ns, operation_timeout),
             self._errmap, self._index_keys, repr(self), self._connection_args)
         try:
-            with self._translate(None):
-                self._call("PING")
+            self._ping_at_open()
         except BaseException:
             self._notifier.release(self)
             self._pool.close()
             raise
         log.debug("opened %r", self)
+
+    def _ping_at_open(self) -> None:
+        """The first command. A lost connection is looked into: with TLS, one handshake of our own reads
+        whether the server refused the client certificate (or demands one), which redis-py may report as
+        a mere EOF; without TLS, a reset connection hints at a TLS-only port."""
+        started = time.monotonic()
+        try:
+            with self._translate(None):
+                self._call("PING")
+        except BackendConnectionError as exc:
+            if self.tls is not None:
+                self._check_certificate(self.operation_timeout - (time.monotonic() - started))
+            elif isinstance(exc.__cause__, redis.exceptions.ConnectionError) and (
+                    _find_cause(exc.__cause__, ConnectionResetError) is not None
+                    or "closed by server" in str(exc.__cause__)):
+                raise BackendConnectionError(f"{exc}; the server may require TLS: use rediss://") from exc.__cause__
+            raise
+
+    def _check_certificate(self, seconds: float) -> None:
+        """One TLS handshake and ``PING`` (Python's ``ssl``, at most ``seconds``): raises the
+        :class:`InvalidURLError` naming ``cert`` if the server answers with an alert refusing it."""
+        assert self.tls is not None
+        if seconds <= 0:
+            return
+        try:
+            raw = socket.create_connection((self.host, self.port), timeout=seconds)
+        except OSError:
+            return
+        try:
+            handshake(self.tls.context, raw, self.host, b"PING\r\n")
+        except OSError as exc:  # ssl.SSLError too
+            reason = refused_certificate(exc)
+            if reason is not None:
+                raise certificate_error(f"{self.host}:{self.port}", self.tls.cert, reason,
+                                        TRUSTED_CA_OPTION) from None
 
     def __repr__(self) -> str:
         scheme = "rediss" if self.tls is not None else "redis"
@@ -380,11 +417,15 @@ def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCo
     return HistoryCompacted(f"events after revision {after} are gone: {detail}; re-read", prefix)
 
 
-_TLS_KEYS = ("cacert", "cert", "key")
+_FROM_URL: Any = object()
 
 
-def open_url(url: RendezvousURL) -> RedisBackend:
+def open_url(url: RendezvousURL, tls: TLSFiles | None = _FROM_URL) -> RedisBackend:
     """Open a :class:`RedisBackend` for a parsed ``redis://`` / ``rediss://`` URL of one host.
+
+    Args:
+        tls: the URL's checked TLS files (:func:`~rdzv_backends.redis._config.tls_files`), if the
+            caller has them; else they are read from ``url``.
 
     Raises:
         InvalidURLError: TLS options without ``rediss``; a TLS file problem.
@@ -392,13 +433,8 @@ def open_url(url: RendezvousURL) -> RedisBackend:
     """
     host, port = url.hosts[0]
     params = url.params
-    tls = None
-    if url.scheme == "rediss":
-        tls = TLSFiles(params.get("cacert"), params.get("cert"), params.get("key"))
-    else:
-        for name in _TLS_KEYS:
-            if name in params:
-                raise InvalidURLError(name, params[name], "TLS options need the rediss:// scheme")
+    if tls is _FROM_URL:
+        tls = tls_files(url.scheme, params)
     return RedisBackend(
         host,
         port or DEFAULT_PORT,
