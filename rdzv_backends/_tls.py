@@ -113,8 +113,13 @@ _CERT_REFUSED = ("BAD_CERTIFICATE", "UNKNOWN_CA", "CERTIFICATE_REQUIRED", "CERTI
                  "UNSUPPORTED_CERTIFICATE", "CERTIFICATE_EXPIRED", "CERTIFICATE_REVOKED")
 
 
-def refused_certificate(exc: BaseException | None) -> str | None:
-    """The alert's reason if ``exc`` (or an exception it came from) is a TLS alert refusing the client certificate."""
+def refused_certificate(exc: BaseException | None, cert_given: bool = True) -> str | None:
+    """The alert's reason if ``exc`` (or an exception it came from) is a TLS alert refusing the client certificate.
+
+    Without a client certificate (``cert_given=False``) a ``handshake_failure`` alert counts too: OpenSSL
+    servers (Redis) send it under TLS 1.2 to a client that sent no certificate when one is demanded.
+    """
+    refusals = _CERT_REFUSED if cert_given else (*_CERT_REFUSED, "HANDSHAKE_FAILURE")
     chain: list[BaseException] = []
     while exc is not None and exc not in chain:
         chain.append(exc)
@@ -122,7 +127,7 @@ def refused_certificate(exc: BaseException | None) -> str | None:
     # ssl's own errors first (their reason is the alert's name), then any message quoting one (redis-py's)
     for error in sorted(chain, key=lambda e: not isinstance(e, ssl.SSLError)):
         reason = str(getattr(error, "reason", None) or error)
-        if "ALERT_" in reason.upper() and any(r in reason.upper() for r in _CERT_REFUSED):
+        if "ALERT_" in reason.upper() and any(r in reason.upper() for r in refusals):
             return reason
     return None
 
@@ -134,6 +139,9 @@ def certificate_error(at: str, cert: str | None, reason: str, trusted_ca_option:
         reason: the alert (:func:`refused_certificate`).
         trusted_ca_option: the server's option naming the CAs it trusts, e.g. ``"etcd's --trusted-ca-file"``.
     """
+    if cert is None and "HANDSHAKE_FAILURE" in reason.upper():
+        return InvalidURLError("cert", None, f"the server at {at} ended the TLS handshake ({reason}): it may demand "
+                                             "a client certificate: add cert=PATH&key=PATH")
     if cert is None:
         return InvalidURLError("cert", None, f"the server at {at} demands a client certificate ({reason}): add "
                                              "cert=PATH&key=PATH")

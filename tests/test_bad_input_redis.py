@@ -8,6 +8,7 @@ must not wait for it.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from typing import Any, Iterator
 
@@ -105,13 +106,25 @@ def test_bad_input_tls_certificate_refused_by_the_server(
         # no alert in sight): then open's own handshake reads the alert.
         import rdzv_backends.redis._errors as errors
 
-        monkeypatch.setattr(errors, "refused_certificate", lambda exc: None)
+        monkeypatch.setattr(errors, "refused_certificate", lambda exc, cert_given=True: None)
     error, elapsed = open_bad(url(mtls, files, **chosen), f"rediss TLS: {case}", record_property)
     assert error.field == "cert"
     assert error.value == (files[named] if named else None)
     assert mtls.address in str(error)
     assert ("demands" if named is None else "refused") in str(error)
     assert elapsed < FAST, f"{case}: {elapsed:.2f} s"
+
+
+def test_bad_input_no_client_certificate_for_a_tls_1_2_server_that_demands_one(record_property: Any) -> None:
+    """Under TLS 1.2 OpenSSL ends the handshake with ``handshake_failure`` (not ``certificate_required``)."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(contextlib.contextmanager(_serve)(
+            RedisTLSServer(auth_clients="yes", extra_args=("--tls-protocols", "TLSv1.2"))))
+        error, elapsed = open_bad(server.url(), "rediss TLS 1.2: no client certificate for a server that demands one",
+                                  record_property)
+    assert error.field == "cert" and error.value is None
+    assert "may demand a client certificate" in str(error) and server.address in str(error)
+    assert elapsed < FAST
 
 
 def test_bad_input_plain_redis_url_to_a_tls_only_port(mtls: RedisTLSServer, record_property: Any) -> None:

@@ -91,7 +91,7 @@ def check_tls(settings: TLSSettings, deadline: Deadline) -> None:
             raise InvalidURLError("cacert", settings.ca_cert, f"the TLS certificate of the server at {where} is not "
                                                               f"signed {trusted}: {detail}") from None
         except (ssl.SSLError, ConnectionError) as exc:
-            reason = refused_certificate(exc)
+            reason = refused_certificate(exc, settings.cert is not None)
             if reason is not None:
                 raise certificate_error(where, settings.cert, reason, "etcd's --trusted-ca-file") from None
             if _plain_http(host, port, where, deadline.attempt()):

@@ -71,7 +71,7 @@ class _ErrorMap:
                 return InvalidURLError("cacert", self.tls.cacert if self.tls else None,
                                        f"the TLS certificate of {where} did not verify: "
                                        f"{verify.verify_message or verify}")
-            refused = refused_certificate(exc) if self.tls is not None else None
+            refused = refused_certificate(exc, self.tls.cert is not None) if self.tls is not None else None
             if refused is not None:
                 return certificate_error(f"{self.host}:{self.port}", self.tls.cert if self.tls else None, refused,
                                          TRUSTED_CA_OPTION)

@@ -106,7 +106,7 @@ class _Notifier:
         self._index_keys, self._prefix = index_keys, errmap.prefix
         self._name = name
         connection_class, connection_kwargs = connection_args
-        self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool(
+        self._client = redis.Redis(connection_pool=redis.BlockingConnectionPool(  # type: ignore[no-untyped-call]
             max_connections=2, timeout=errmap.operation_timeout, connection_class=connection_class,
             **connection_kwargs))
         self._sweep_script = self._client.register_script(_PRELUDE + _SWEEP)

@@ -168,7 +168,7 @@ class RedisBackend(KVBackend):
         try:
             handshake(self.tls.context, raw, self.host, b"PING\r\n")
         except OSError as exc:  # ssl.SSLError too
-            reason = refused_certificate(exc)
+            reason = refused_certificate(exc, self.tls.cert is not None)
             if reason is not None:
                 raise certificate_error(f"{self.host}:{self.port}", self.tls.cert, reason,
                                         TRUSTED_CA_OPTION) from None
