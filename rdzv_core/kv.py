@@ -86,6 +86,7 @@ __all__ = [
     "wait_for_change",
     "deadline",
     "call_budget",
+    "budget_text",
     "parse_counter",
     "watch_prefixes",
 ]
@@ -294,6 +295,15 @@ def call_budget(operation_timeout: float) -> float:
     if left <= 0:
         raise BackendTimeout("the caller's deadline passed before the request was sent", None)
     return min(operation_timeout, left)
+
+
+def budget_text(operation_timeout: float) -> str:
+    """For an error message: the time a request that just ran out had -- ``operation_timeout=10s``,
+    or ``the caller's deadline`` when the calling thread's :func:`deadline` (nearly) passed."""
+    at: float | None = getattr(_call_deadline, "at", None)
+    if at is not None and time.monotonic() >= at - 0.05:
+        return "the caller's deadline"
+    return f"operation_timeout={operation_timeout:g}s"
 
 
 class KVBackend(abc.ABC):

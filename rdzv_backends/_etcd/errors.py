@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 
 from rdzv_core.errors import BackendConnectionError, BackendTimeout, BackendUnavailable, CompareFailed, KeyNotFound
+from rdzv_core.kv import budget_text
 
 from .budget import Tries
 from .settings import EtcdSettings
@@ -82,7 +83,7 @@ def unreachable(settings: EtcdSettings, what: str, last: BaseException | None) -
     which = "the etcd endpoint" if count == 1 else f"any of the {count} etcd endpoints"
     detail = f" (last error: {last})" if last is not None else ""
     return (f"cannot reach {which} {settings.describe()} for {what} within "
-            f"operation_timeout={settings.operation_timeout:g} s{detail}; is etcd running there?")
+            f"{budget_text(settings.operation_timeout)}{detail}; is etcd running there?")
 
 
 def may_have_applied(what: str, key: str) -> BackendTimeout:

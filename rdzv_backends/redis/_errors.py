@@ -20,6 +20,7 @@ from rdzv_core.errors import (
     KVError,
     RdzvError,
 )
+from rdzv_core.kv import budget_text
 
 #: What Redis 7 appends to an error raised by a script.
 _SCRIPT_SUFFIX = re.compile(r"\s*script: \w+, on @user_script:\d+\.?\s*$")
@@ -60,7 +61,7 @@ class _ErrorMap:
             return InvalidURLError("password", "***", f"{where} rejected user {user!r} with the given password: "
                                    f"{text}")
         if isinstance(exc, errors.TimeoutError):
-            return BackendTimeout(f"{where} did not answer within operation_timeout={self.operation_timeout}s: "
+            return BackendTimeout(f"{where} did not answer within {budget_text(self.operation_timeout)}: "
                                   f"{text}", key)
         if isinstance(exc, errors.ConnectionError):
             verify = _find_cause(exc, ssl.SSLCertVerificationError)
@@ -79,7 +80,7 @@ class _ErrorMap:
                 return InvalidURLError("db", self.db, f"{where} has no such database")
             if "No connection available" in text:
                 return BackendTimeout(f"all max_connections={self.max_connections} connections to {where} stayed "
-                                      f"busy for operation_timeout={self.operation_timeout}s", key)
+                                      f"busy for {budget_text(self.operation_timeout)}", key)
             return BackendConnectionError(f"cannot reach {where}: {text}", key)
         if isinstance(exc, errors.ReadOnlyError):
             return BackendConnectionError(f"{where} cannot serve writes now (a replica?): {text}", key)
