@@ -43,7 +43,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 #: Fault tests of a source checkout (in :data:`TESTS`), run when present.
 SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py",
-                "test_bad_input.py", "test_bad_input_etcd.py")
+                "test_bad_input.py", "test_bad_input_etcd.py", "test_bad_input_redis.py")
 #: Tests of bad input (URLs, TLS files, run ids, query values) that record ``bad_input`` and ``time_to_error_s``.
 BAD_INPUT_PREFIX = "test_bad_input_"
 #: Backends the network, cluster and clock tests parametrize themselves (whatever ``--rdzv-url`` says).

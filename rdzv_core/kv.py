@@ -45,7 +45,7 @@ Counters
 Deadlines
     Every call returns or raises within the backend's ``operation_timeout``. A
     caller with a tighter bound (the c10d Store: its timeout) wraps its calls in
-    :func:`deadline`; a backend gives each request it sends ``call_budget(its
+    :func:`deadline` (:mod:`rdzv_core.deadlines`); a backend gives each request it sends ``call_budget(its
     operation_timeout)`` seconds, so the call ends by the caller's deadline too
     (a small margin aside), with :class:`~rdzv_core.errors.BackendTimeout`.
 Corrupt storage
@@ -60,15 +60,13 @@ The errors are drawn in :mod:`rdzv_core.errors`.
 from __future__ import annotations
 
 import abc
-import contextlib
 import enum
 import re
-import threading
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Iterator
-from .errors import BackendClosed, BackendTimeout, CorruptEntry, InvalidArgumentError, InvalidKeyError, ValueTooLarge
+from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
+from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, InvalidKeyError, ValueTooLarge
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
 
@@ -254,56 +252,6 @@ def _check_timeout(timeout: float) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
         raise InvalidArgumentError("timeout", timeout, "a timeout is a number of seconds >= 0")
     return float(timeout)
-
-
-_call_deadline = threading.local()  # .at: the calling thread's deadline (time.monotonic()), or absent
-
-
-@contextlib.contextmanager
-def deadline(seconds: float | None) -> Iterator[None]:
-    """Bound every backend call this thread makes inside the block to end within ``seconds`` from now.
-
-    Backends that honour it (every built-in one) give each request ``call_budget(...)``
-    seconds and raise :class:`~rdzv_core.errors.BackendTimeout` when the time is up.
-    Nested blocks keep the earlier deadline; ``None`` adds no bound.
-
-    Raises:
-        InvalidArgumentError: ``seconds`` is not a number >= 0.
-    """
-    outer = getattr(_call_deadline, "at", None)
-    at = None if seconds is None else time.monotonic() + _check_timeout(seconds)
-    if outer is not None and (at is None or outer < at):
-        at = outer
-    _call_deadline.at = at
-    try:
-        yield
-    finally:
-        _call_deadline.at = outer
-
-
-def call_budget(operation_timeout: float) -> float:
-    """Seconds a backend request started now may take: ``operation_timeout``, or less inside
-    :func:`deadline` (the time left to the calling thread's deadline).
-
-    Raises:
-        BackendTimeout: that deadline has passed.
-    """
-    at: float | None = getattr(_call_deadline, "at", None)
-    if at is None:
-        return operation_timeout
-    left = at - time.monotonic()
-    if left <= 0:
-        raise BackendTimeout("the caller's deadline passed before the request was sent", None)
-    return min(operation_timeout, left)
-
-
-def budget_text(operation_timeout: float) -> str:
-    """For an error message: the time a request that just ran out had -- ``operation_timeout=10s``,
-    or ``the caller's deadline`` when the calling thread's :func:`deadline` (nearly) passed."""
-    at: float | None = getattr(_call_deadline, "at", None)
-    if at is not None and time.monotonic() >= at - 0.05:
-        return "the caller's deadline"
-    return f"operation_timeout={operation_timeout:g}s"
 
 
 class KVBackend(abc.ABC):
