@@ -69,5 +69,5 @@ def budget_text(operation_timeout: float) -> str:
 
 def _seconds(value: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-        raise InvalidArgumentError("seconds", value, "a deadline is a number of seconds >= 0, or None")
+        raise InvalidArgumentError("timeout", value, "a timeout is a number of seconds >= 0, or None")
     return float(value)
