@@ -15,7 +15,7 @@ from typing import Iterator
 
 from .errors import BackendTimeout, InvalidArgumentError
 
-__all__ = ["deadline", "call_budget", "budget_text"]
+__all__ = ["deadline", "call_budget", "budget_text", "check_timeout"]
 
 _call_deadline = threading.local()  # .at: the calling thread's deadline (time.monotonic()), or absent
 
@@ -32,7 +32,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
         InvalidArgumentError: ``seconds`` is not a number >= 0.
     """
     outer = getattr(_call_deadline, "at", None)
-    at = None if seconds is None else time.monotonic() + _seconds(seconds)
+    at = None if seconds is None else time.monotonic() + check_timeout(seconds)
     if outer is not None and (at is None or outer < at):
         at = outer
     _call_deadline.at = at
@@ -67,7 +67,12 @@ def budget_text(operation_timeout: float) -> str:
     return f"operation_timeout={operation_timeout:g}s"
 
 
-def _seconds(value: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-        raise InvalidArgumentError("timeout", value, "a timeout is a number of seconds >= 0, or None")
-    return float(value)
+def check_timeout(timeout: float) -> float:
+    """``timeout`` as a float number of seconds >= 0 (deadlines, watch timeouts).
+
+    Raises:
+        InvalidArgumentError: on ``timeout``: not a number, NaN, or negative.
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise InvalidArgumentError("timeout", timeout, "a timeout is a number of seconds >= 0")
+    return float(timeout)

@@ -66,6 +66,7 @@ import time
 from dataclasses import dataclass
 from types import TracebackType
 from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
+from .deadlines import check_timeout as _check_timeout
 from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, InvalidKeyError, ValueTooLarge
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
@@ -246,12 +247,6 @@ def _check_ttl(ttl: float | None) -> float | None:
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0 or ttl != ttl or ttl == float("inf"):
         raise InvalidArgumentError("ttl", ttl, "a TTL is a finite number of seconds > 0, or None")
     return float(ttl)
-
-
-def _check_timeout(timeout: float) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise InvalidArgumentError("timeout", timeout, "a timeout is a number of seconds >= 0")
-    return float(timeout)
 
 
 class KVBackend(abc.ABC):

@@ -103,11 +103,12 @@ class KVStore(_C10dStore):
     def _bounded(self, what: str, timeout: datetime.timedelta | None = None) -> Iterator[None]:
         """Run one operation's backend calls within ``timeout`` (default: the store's); map errors to c10d's."""
         limit = self._timeout if timeout is None else timeout
+        seconds = _seconds(limit)
         try:
-            with deadline(_seconds(limit)):
+            with deadline(seconds):
                 yield
         except BackendTimeout as exc:
-            within = f"within {limit}" if _seconds(limit) is not None else "(no Store timeout: the backend's own)"
+            within = f"within {limit}" if seconds is not None else "(no Store timeout: the backend's own)"
             raise dist.DistStoreError(f"store {what} under {self._prefix!r} did not finish {within}: {exc}") from exc
         except (BackendUnavailable, BackendClosed) as exc:
             raise dist.DistNetworkError(f"store {what} under {self._prefix!r}: {exc}") from exc

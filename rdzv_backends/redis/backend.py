@@ -216,18 +216,15 @@ class RedisBackend(KVBackend):
                         conn.socket_connect_timeout = conn.socket_timeout = self.operation_timeout
                 conn._sock.settimeout(budget)
             conn.send_command(*command, check_health=False)
-            reply = conn.read_response()
-            if short and conn._sock is not None:
-                conn._sock.settimeout(self.operation_timeout)
-            return reply
+            return conn.read_response()
         except redis.exceptions.ResponseError:
-            if short and conn._sock is not None:
-                conn._sock.settimeout(self.operation_timeout)
             raise  # an error reply: the connection is in step
         except BaseException:
             conn.disconnect()
             raise
         finally:
+            if short and conn._sock is not None:  # still connected: the next call gets the full timeout
+                conn._sock.settimeout(self.operation_timeout)
             self._pool.release(conn)
 
     def _run(self, name: str, key: str | None, *args: Any, extra_key: str | None = None) -> Any:
