@@ -69,7 +69,8 @@ def main():
             dist.all_reduce(value)
             total += float(value)
         metrics.put_metric("steps", 1, "train")
-    line = f"RESULT rank={rank} world_size={dist.get_world_size()} attempt={attempt} sum={total:g} watchdog={int(watchdog)}"
+    world = dist.get_world_size()
+    line = f"RESULT rank={rank} world_size={world} attempt={attempt} sum={total:g} watchdog={int(watchdog)}"
     sys.stdout.write(line + "\n")  # one write: the ranks share the stream
     sys.stdout.flush()
     dist.destroy_process_group()
