@@ -205,3 +205,26 @@ def test_membership_restart_keeps_the_earlier_logs(node_url, tmp_path) -> None:
     assert sorted(os.listdir(run_dir)) == ["attempt_0", "attempt_0.1"]
     assert os.path.isfile(os.path.join(run_dir, "attempt_0.1", "0", "stdout.log"))
     assert "C=0" in _read(os.path.join(run_dir, "attempt_0", "0", "stdout.log"))
+
+
+def test_files_land_where_torchrun_puts_them(tmp_path) -> None:
+    """The same job under ``torchrun`` and ``rdzv-run``: every file torchrun writes under its run
+    directory (``attempt_N/LOCAL_RANK/std*.log``, ``attempt_N/filtered_stdout.log``) is written by
+    ``rdzv-run`` at the same relative path with the same lines (``rdzv-run`` adds its own
+    ``stderr.log`` copies, for its error reports)."""
+    flags = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", "--max-restarts", "1",
+             "--redirects", "0:3", "--tee", "1:1", "--local-ranks-filter", "1", "--duplicate-stdout-filters", "apple"]
+    trees = {}
+    for name, module in (("torchrun", "torch.distributed.run"), ("rdzv", "rdzv_agent.launcher")):
+        logs = tmp_path / f"logs-{name}"
+        launcher = Launcher([*flags, "--log-dir", str(logs), LOG_WORKER, "--out", str(tmp_path / f"out-{name}"),
+                             "--fail-first"], str(tmp_path), name, module=module)
+        try:
+            assert launcher.wait(180) == 0, launcher.tail()
+        finally:
+            kill_run([launcher], [])
+        (run_dir,) = glob.glob(str(logs / "*_*"))
+        trees[name] = {os.path.relpath(p, run_dir): sorted(_read(p).splitlines())
+                       for p in glob.glob(os.path.join(run_dir, "**", "*"), recursive=True) if os.path.isfile(p)}
+    assert "attempt_1/filtered_stdout.log" in trees["torchrun"]
+    assert {k: trees["rdzv"].get(k) for k in trees["torchrun"]} == trees["torchrun"]
