@@ -6,7 +6,7 @@ loads the ``torchrun.logs_specs`` entry point NAME, as torch's
 ``reify(envs)`` gives, per local rank, the stdout/stderr files (``""``: the
 console), the streams copied to the console (``tee``), the error file, and the
 two files of the duplicate filters; :func:`worker_streams` turns that into what
-one :class:`~rdzv_agent.process.WorkerProcess` does. docs/torchrun.md has the details.
+one :class:`~rdzv_agent.process.WorkerProcess` does. docs/logs.md has the details.
 """
 
 from __future__ import annotations

@@ -7,11 +7,13 @@
 given once for every local rank (``"3"``) or per local rank (``"0:3,1:0"``;
 ranks not listed get NONE).
 
-What happens to each stream of a worker:
+What happens to each stream of a worker (the files' places are the logs spec's,
+:mod:`rdzv_agent.logs`; docs/logs.md):
 
 * stderr is always written to ``stderr.log`` (so the agent can report the
   error); it is also copied to the console with a ``[ROLE LOCAL_RANK]:`` prefix
-  unless it is redirected (``ERR`` in ``--redirects``).
+  (or ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``'s) unless it is redirected
+  (``ERR`` in ``--redirects``) or its rank is not in ``--local-ranks-filter``.
 * stdout goes straight to the console by default; to ``stdout.log`` only when
   redirected; to both (prefixed on the console) when teed.
 """
