@@ -66,11 +66,13 @@ def test_local_ranks_filter_limits_the_console_not_the_files(run, tmp_path) -> N
         assert f"err plain L={lr}" in _read(os.path.join(_attempt(tmp_path), lr, "stderr.log"))
 
 
-def test_local_ranks_filter_without_tee_hides_the_other_ranks(run) -> None:
+def test_local_ranks_filter_without_tee_hides_the_other_ranks(run, tmp_path) -> None:
+    """Hidden ranks reach no console; their stderr is still kept in ``stderr.log`` (for error reports)."""
     code, out, err = run("--local-ranks-filter", "1", nproc=3)
     assert code == 0, err[-3000:]
     assert set(re.findall(r"out plain L=(\d)", out)) == {"1"}
     assert set(re.findall(r"err plain L=(\d)", err)) == {"1"}
+    assert "err plain L=0" in _read(os.path.join(_attempt(tmp_path), "0", "stderr.log"))
 
 
 def test_prefix_template_replaces_the_role_prefix(run) -> None:
