@@ -231,3 +231,144 @@ def test_store_of_a_round_is_scoped_to_run_and_version(kv_factory) -> None:
     assert not KVStore(a.kv, a.store_prefix(ra2.version)).check(["MASTER_PORT"])
     a.leave()
     b.leave()
+
+
+# -- torch 2.13's queues and barrier ------------------------------------------------------------
+
+
+def test_queue_fifo_under_concurrent_pushers_and_poppers(make_store) -> None:
+    """Three clients push 20 items each while two others pop: every item is popped exactly once,
+    and each popper sees each pusher's items in push order."""
+    pushers, poppers = [make_store(timeout_s=30) for _ in range(3)], [make_store(timeout_s=30) for _ in range(2)]
+    per_pusher, errors = 20, []
+    seen: list[list[tuple[int, int]]] = [[] for _ in poppers]
+
+    def push(c: int) -> None:
+        for i in range(per_pusher):
+            pushers[c].queue_push("jobs", f"{c}:{i}")
+
+    def pop(p: int) -> None:
+        try:
+            for _ in range(len(pushers) * per_pusher // len(poppers)):
+                c, i = poppers[p].queue_pop("jobs").decode().split(":")
+                seen[p].append((int(c), int(i)))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=pop, args=(p,)) for p in range(len(poppers))]
+    threads += [threading.Thread(target=push, args=(c,)) for c in range(len(pushers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert sorted(x for s in seen for x in s) == [(c, i) for c in range(len(pushers)) for i in range(per_pusher)]
+    for s in seen:
+        for c in range(len(pushers)):
+            mine = [i for cc, i in s if cc == c]
+            assert mine == sorted(mine)
+    assert pushers[0].queue_len("jobs") == 0
+
+
+def test_queue_pop_blocks_until_a_push(make_store) -> None:
+    a, b = make_store(), make_store(timeout_s=20)
+    pushed_at: list[float] = []
+
+    def push() -> None:
+        pushed_at.append(time.monotonic())
+        a.queue_push("q", b"late")
+
+    timer = threading.Timer(0.3, push)
+    timer.start()
+    try:
+        assert b.queue_pop("q") == b"late"
+        returned_at = time.monotonic()
+    finally:
+        timer.join(30)
+    assert pushed_at and returned_at >= pushed_at[0]
+    assert a.queue_len("q") == 0
+
+
+def test_queue_pop_timeout_and_empty(make_store) -> None:
+    """Blocking pop on an empty queue: ``DistStoreError`` after the store timeout; ``block=False``:
+    ``QueueEmptyError`` at once (both as TCPStore)."""
+    store = make_store(timeout_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(dist.QueueEmptyError):
+        store.queue_pop("empty", block=False)
+    assert time.monotonic() - t0 < 0.4
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistStoreError) as caught:
+        store.queue_pop("empty")
+    assert not isinstance(caught.value, dist.QueueEmptyError)
+    assert 0.45 <= time.monotonic() - t0 <= 3.0
+
+
+def test_queue_len_check_wait_and_keys_apart(make_store, later) -> None:
+    """``queue_len`` counts items (0 for a queue never used); a queue is apart from the key of the
+    same name and from ``num_keys``/``list_keys``; ``check``/``wait`` see a non-empty queue."""
+    a, b = make_store(), make_store()
+    assert a.queue_len("q") == 0
+    assert not b.check(["q"])
+    later(0.2, lambda: a.queue_push("q", b"x"))
+    b.wait(["q"], datetime.timedelta(seconds=10))
+    a.queue_push("q", "y")
+    a.set("q", b"plain")
+    assert b.queue_len("q") == 2
+    assert b.get("q") == b"plain"
+    assert b.num_keys() == 1 and b.list_keys() == ["q"]
+    assert b.check(["q"])
+    assert [b.queue_pop("q"), b.queue_pop("q")] == [b"x", b"y"]
+    assert b.delete_key("q") and not b.check(["q"])
+
+
+def test_barrier_across_clients(make_store) -> None:
+    """Four clients: nobody leaves before the last arrives; then a barrier that only three reach
+    raises ``DistStoreError`` on each after the store timeout (no timeout argument given)."""
+    world = 4
+    stores = [make_store(timeout_s=30) for _ in range(world)]
+    arrived: list[float] = []
+    left: list[float] = []
+    errors: list[BaseException] = []
+
+    def member(s: KVStore, key: str) -> None:
+        try:
+            arrived.append(time.monotonic())
+            s.barrier(key, world)
+            left.append(time.monotonic())
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=member, args=(s, "all")) for s in stores]
+    for i, t in enumerate(threads):
+        t.start()
+        if i == 0:
+            time.sleep(0.2)  # the others arrive later: the first must have waited for them
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert len(left) == world and min(left) >= max(arrived)
+
+    for s in stores:
+        s.set_timeout(datetime.timedelta(seconds=0.5))
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=member, args=(s, "short")) for s in stores[:3]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len(errors) == 3 and all(isinstance(e, dist.DistStoreError) for e in errors)
+    assert time.monotonic() - t0 <= 5.0
+    assert stores[0].add("short/num_members", 0) == 3
+
+
+def test_extended_api_works_through_cpp(make_store) -> None:
+    """``has_extended_api`` is True, and what it promises (append, multi_get, multi_set) works when
+    C++ drives the store (``PrefixStore``, as gloo does)."""
+    store = make_store()
+    prefixed = dist.PrefixStore("pg", store)
+    assert store.has_extended_api() and prefixed.has_extended_api()
+    prefixed.multi_set(["a", "b"], ["1", "2"])
+    prefixed.append("a", "+")
+    assert prefixed.multi_get(["a", "b"]) == [b"1+", b"2"]
+    assert store.get("pg/a") == b"1+"

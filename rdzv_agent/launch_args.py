@@ -37,6 +37,7 @@ from torch.distributed.argparse_util import check_env, env
 from rdzv_core.errors import ConfigError
 
 from .api import DEFAULT_ROLE
+from .logs import LOGS_SPECS_GROUP, parse_filters, parse_local_ranks
 from .streams import Std, parse_std
 
 __all__ = [
@@ -127,6 +128,13 @@ def _seconds(text: str, allow_zero: bool = False) -> float:
 
 def _non_negative_seconds(text: str) -> float:
     return _seconds(text, allow_zero=True)
+
+
+def _local_ranks(text: str) -> set[int] | None:
+    try:
+        return parse_local_ranks(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.reason}: {text!r}") from None
 
 
 def _std(option: str):  # type: ignore[no-untyped-def]
@@ -262,6 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:V,...")
     opt("--tee", "-t", type=_std("tee"), default=Std.NONE, metavar="V",
         help="streams to log files and the console (same values as --redirects)")
+    opt("--local-ranks-filter", type=_local_ranks, default=None, metavar="R,...",
+        help="only these local ranks' output reaches the console (e.g. 0,1); log files are unchanged")
+    opt("--duplicate-stdout-filters", type=parse_filters, default=[], metavar="S,...",
+        help="tee'd stdout lines containing one of these strings also go to the attempt's filtered_stdout.log "
+             "(',,' is a comma)")
+    opt("--duplicate-stderr-filters", type=parse_filters, default=[], metavar="S,...",
+        help="tee'd stderr lines containing one of these strings also go to the attempt's filtered_stderr.log")
+    opt("--logs-specs", pet=False, default=None, metavar="NAME",
+        help=f"the {LOGS_SPECS_GROUP} entry point (a torch LogsSpecs class) that places the log files "
+             "(default: torch's layout; 'default' is torch's DefaultLogsSpecs)")
     opt("--module", "-m", action="store_true", help="run SCRIPT as a Python module (python -m)")
     opt("--no-python", action="store_true", help="run SCRIPT as an executable, not with Python")
     opt("--run-path", action="store_true",

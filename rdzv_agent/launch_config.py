@@ -68,6 +68,7 @@ from .launch_args import (
     _non_negative_int,
     _rdzv_conf,
 )
+from .logs import PREFIX_TEMPLATE_ENV, load_logs_specs
 from .streams import Std
 
 __all__ = ["LaunchConfig", "LaunchTarget", "StaticRendezvous", "Standalone", "build_config", "backend_url"]
@@ -162,6 +163,12 @@ class LaunchConfig:
     start_method: str = "spawn"
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
+    # issue 16: log specs
+    local_ranks_filter: set[int] | None = None
+    duplicate_stdout_filters: list[str] = dataclasses.field(default_factory=list)
+    duplicate_stderr_filters: list[str] = dataclasses.field(default_factory=list)
+    logs_specs: str | None = None
+    log_line_prefix_template: str | None = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -226,6 +233,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         master_addr, master_port = _check_elastic_master(args, url), args.master_port
     min_nodes, max_nodes = nnodes if nnodes is not None else (None, None)
     program, program_args = _worker_command(args)
+    load_logs_specs(args.logs_specs)  # a bad --logs-specs fails here, before the rendezvous
 
     return LaunchConfig(
         target=target,
@@ -246,6 +254,11 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         start_method=args.start_method,
         shutdown_timeout=_shutdown_timeout(args, environ),
         exit_barrier_timeout=args.exit_barrier_timeout,
+        local_ranks_filter=args.local_ranks_filter,
+        duplicate_stdout_filters=list(args.duplicate_stdout_filters),
+        duplicate_stderr_filters=list(args.duplicate_stderr_filters),
+        logs_specs=args.logs_specs,
+        log_line_prefix_template=environ.get(PREFIX_TEMPLATE_ENV) or None,
     )
 
 

@@ -65,6 +65,7 @@ from .api import SignalException, WorkerFailure, WorkerGroupFailureException, Wo
 from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .local import LocalElasticAgent
+from .logs import make_logs_specs
 from .report import Reporter, Summary
 from .simple import AgentEvent
 
@@ -220,8 +221,12 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             else:
                 reporter.event(event)
 
+        logs_specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
+                                     config.local_ranks_filter)
         agent = LocalElasticAgent(
-            spec, log_dir=config.log_dir, redirects=config.redirects, tee=config.tee,
+            spec, logs_specs=logs_specs, log_line_prefix_template=config.log_line_prefix_template,
+            duplicate_stdout_filters=config.duplicate_stdout_filters,
+            duplicate_stderr_filters=config.duplicate_stderr_filters,
             env=worker_environment(os.environ, target.password if isinstance(target, RendezvousURL) else None),
             listener=listener,
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,

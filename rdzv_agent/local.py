@@ -25,8 +25,10 @@ environment variables:
 ``PYTHONUNBUFFERED``           ``1``
 =============================  =====================================================
 
-Logs: ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N``
-counting every start of the group (failures and membership changes alike).
+Logs: placed by a torch ``LogsSpecs`` (:mod:`rdzv_agent.logs`); by default
+``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N`` =
+``TORCHELASTIC_RESTART_COUNT`` as in torch (a membership-change restart keeps the
+earlier logs as ``attempt_N.K``).
 """
 
 from __future__ import annotations
@@ -34,26 +36,24 @@ from __future__ import annotations
 import math
 import os
 import signal
-import tempfile
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
+
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from rdzv_core.errors import ConfigError
 
 from . import master
 from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
 from .process import WorkerProcess, stop_processes
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
-from .streams import Std, std_for_rank
+from .streams import Std
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers (torchrun's ``--shutdown-timeout`` default).
 DEFAULT_STOP_GRACE = 30.0
-
-
-def _safe_dir_name(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_.=+" else "_" for c in text).lstrip(".") or "run"
 
 
 class LocalElasticAgent(SimpleElasticAgent):
@@ -70,6 +70,12 @@ class LocalElasticAgent(SimpleElasticAgent):
         stop_grace: seconds between SIGTERM and SIGKILL when stopping (>= 0; torchrun's
             ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
         listener, exit_barrier_timeout: see :class:`SimpleElasticAgent`.
+        logs_specs: a torch ``LogsSpecs`` placing the files (then ``log_dir``, ``redirects``,
+            ``tee`` and ``local_ranks_filter`` are its own); default :class:`~rdzv_agent.logs.RdzvLogsSpecs`.
+        local_ranks_filter: local ranks whose output reaches the console (``None``: all).
+        log_line_prefix_template: console prefix template (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``).
+        duplicate_stdout_filters, duplicate_stderr_filters: tee'd lines containing one of these
+            are also written to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``.
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
@@ -86,20 +92,25 @@ class LocalElasticAgent(SimpleElasticAgent):
         stop_grace: float = DEFAULT_STOP_GRACE,
         listener: Callable[[AgentEvent], None] | None = None,
         exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
+        logs_specs: LogsSpecs | None = None,
+        local_ranks_filter: set[int] | None = None,
+        log_line_prefix_template: str | None = None,
+        duplicate_stdout_filters: Sequence[str] = (),
+        duplicate_stderr_filters: Sequence[str] = (),
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
         if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 <= stop_grace < math.inf:
             raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
         super().__init__(spec, listener, exit_barrier_timeout)
-        self._redirects = redirects
-        self._tee = tee
         self._base_env = dict(os.environ if env is None else env)
         self._stop_grace = float(stop_grace)
-        root = log_dir if log_dir is not None else tempfile.mkdtemp(prefix="rdzv-run-")
-        os.makedirs(root, exist_ok=True)
-        run_id = _safe_dir_name(spec.rdzv_handler.get_run_id())
-        self._log_dir = tempfile.mkdtemp(prefix=f"{run_id}_", dir=root)
+        self._logs_specs = logs_specs if logs_specs is not None else make_logs_specs(
+            None, log_dir, redirects, tee, local_ranks_filter)
+        self._prefix_template = log_line_prefix_template
+        self._dup_filters = (list(duplicate_stdout_filters), list(duplicate_stderr_filters))
+        self._line_filters: list[LineFilter] = []
+        self._attempt_dir: str | None = None
         self._procs: dict[int, WorkerProcess] = {}
         self._global_ranks: dict[int, int] = {}
         self._starts = 0
@@ -107,12 +118,13 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     @property
     def log_dir(self) -> str:
-        """This agent's log directory (``LOG_DIR/RUN_ID_xxxx``)."""
-        return self._log_dir
+        """This agent's log directory: ``LOG_DIR/RUN_ID_xxxx`` once the workers started (torch's
+        ``DefaultLogsSpecs``), else the logs spec's ``root_log_dir``."""
+        return getattr(self._logs_specs, "_run_log_dir", None) or self._logs_specs.root_log_dir
 
     def attempt_log_dir(self) -> str | None:
         """Log directory of the latest start of the group, or ``None`` before the first."""
-        return os.path.join(self._log_dir, f"attempt_{self._starts - 1}") if self._starts else None
+        return self._attempt_dir
 
     def worker_exit_codes(self) -> dict[int, tuple[int, int | None, bool]]:
         """Latest workers: global rank -> (local rank, exit status or None, stopped by the agent).
@@ -160,28 +172,35 @@ class LocalElasticAgent(SimpleElasticAgent):
             OSError: a worker could not be started (the others are stopped).
         """
         spec = worker_group.spec
-        attempt_dir = os.path.join(self._log_dir, f"attempt_{self._starts}")
         self._starts += 1
         self._exited.clear()
         self._procs = {}
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
+        envs = {w.local_rank: self._worker_env(worker_group, w.local_rank) for w in worker_group.workers}
+        dest = self._logs_specs.reify(envs)
+        self._attempt_dir = os.path.dirname(dest.filtered_stdout) or None
+        filters = self._open_line_filters(dest)
         try:
             for worker in worker_group.workers:
                 lr = worker.local_rank
-                self._procs[lr] = WorkerProcess(
-                    argv,
-                    self._worker_env(worker_group, lr),
-                    os.path.join(attempt_dir, str(lr)),
-                    redirect=std_for_rank(self._redirects, lr),
-                    tee=std_for_rank(self._tee, lr),
-                    prefix=f"[{spec.role}{lr}]:",
-                    on_exit=self._exited,
-                )
+                prefix = line_prefix(self._prefix_template, spec.role, self._global_ranks[lr], lr)
+                self._procs[lr] = WorkerProcess(argv, envs[lr], worker_streams(dest, lr, prefix, filters),
+                                                on_exit=self._exited)
         except OSError:
             self._stop_workers(worker_group)
             raise
         return {lr: proc.pid for lr, proc in self._procs.items()}
+
+    def _open_line_filters(self, dest: LogsDest) -> tuple[LineFilter | None, LineFilter | None]:
+        """This start's duplicate filter files (the previous start's are closed)."""
+        for old in self._line_filters:
+            old.close()
+        made = tuple(LineFilter(path, needles) if needles else None
+                     for path, needles in zip((dest.filtered_stdout, dest.filtered_stderr), self._dup_filters,
+                                              strict=True))
+        self._line_filters = [f for f in made if f is not None]
+        return made[0], made[1]
 
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
         """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period)."""
@@ -189,6 +208,8 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
         self._stop_workers(self._worker_group, death_sig)
+        for line_filter in self._line_filters:
+            line_filter.close()
 
     def _wait(self, seconds: float) -> None:
         self._exited.wait(seconds)

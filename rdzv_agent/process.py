@@ -30,11 +30,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
-from .streams import Std, StreamPump, error_excerpt, stderr_console, stdout_console
+from .streams import StreamPump, error_excerpt, stderr_console, stdout_console
+
+if TYPE_CHECKING:
+    from .logs import WorkerStreams
 
 __all__ = ["WorkerProcess", "stop_processes", "PARENT_DEATH_SIGNAL"]
 
@@ -84,11 +87,8 @@ class WorkerProcess:
     Args:
         argv: the command (``argv[0]`` is looked up on ``PATH``).
         env: the complete environment of the worker.
-        log_dir: directory for ``stdout.log``, ``stderr.log`` and ``error.json``
-            (created); ``TORCHELASTIC_ERROR_FILE`` is set to the latter.
-        redirect: streams that go to the log file only.
-        tee: streams that go to the log file and the console.
-        prefix: console line prefix, e.g. ``"[default0]:"``.
+        streams: where stdout and stderr go, the console prefix and the error file
+            (``TORCHELASTIC_ERROR_FILE``), from the logs spec (:func:`rdzv_agent.logs.worker_streams`).
         on_exit: called from a pump thread when the worker closes its stderr.
 
     Raises:
@@ -99,28 +99,24 @@ class WorkerProcess:
         self,
         argv: Sequence[str],
         env: Mapping[str, str],
-        log_dir: str,
-        redirect: Std,
-        tee: Std,
-        prefix: str,
+        streams: WorkerStreams,
         on_exit: threading.Event | None = None,
     ) -> None:
-        os.makedirs(log_dir, exist_ok=True)
-        self.log_dir = log_dir
-        self.stderr_path = os.path.join(log_dir, "stderr.log")
-        self.stdout_path: str | None = None
-        self.error_file = os.path.join(log_dir, "error.json")
+        for path in (streams.stdout, streams.stderr, streams.error_file):
+            if path and path != os.devnull:
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        self.stderr_path = streams.stderr
+        self.stdout_path = streams.stdout
+        self.error_file = streams.error_file
         env = dict(env)
-        env["TORCHELASTIC_ERROR_FILE"] = self.error_file
+        env["TORCHELASTIC_ERROR_FILE"] = "" if streams.error_file == os.devnull else streams.error_file
 
         stdout_target: int | None = None
         stdout_file = None
-        if Std.OUT in redirect:
-            self.stdout_path = os.path.join(log_dir, "stdout.log")
-            stdout_file = open(self.stdout_path, "ab")
-        elif Std.OUT in tee:
-            self.stdout_path = os.path.join(log_dir, "stdout.log")
+        if streams.stdout is not None and streams.stdout_console:
             stdout_target = subprocess.PIPE
+        elif streams.stdout is not None:
+            stdout_file = open(streams.stdout, "ab")
         try:
             self.popen = subprocess.Popen(
                 list(argv),
@@ -141,12 +137,13 @@ class WorkerProcess:
         if self.popen.stderr is None:  # cannot happen with stderr=PIPE
             raise RuntimeError("worker started without a stderr pipe")
         self._stderr = StreamPump(
-            self.popen.stderr, self.stderr_path,
-            None if Std.ERR in redirect else stderr_console, prefix, notify,
+            self.popen.stderr, streams.stderr, stderr_console if streams.stderr_console else None, streams.prefix,
+            notify, streams.stderr_filter,
         )
         self._stdout = None
-        if stdout_target is subprocess.PIPE and self.popen.stdout is not None and self.stdout_path:
-            self._stdout = StreamPump(self.popen.stdout, self.stdout_path, stdout_console, prefix)
+        if stdout_target is subprocess.PIPE and self.popen.stdout is not None:
+            self._stdout = StreamPump(self.popen.stdout, streams.stdout, stdout_console, streams.prefix,
+                                      None, streams.stdout_filter)
         self._tree: list[psutil.Process] = []
         self._agent_signals: set[int] = set()
 

@@ -7,11 +7,13 @@
 given once for every local rank (``"3"``) or per local rank (``"0:3,1:0"``;
 ranks not listed get NONE).
 
-What happens to each stream of a worker:
+What happens to each stream of a worker (the files' places are the logs spec's,
+:mod:`rdzv_agent.logs`; docs/logs.md):
 
 * stderr is always written to ``stderr.log`` (so the agent can report the
   error); it is also copied to the console with a ``[ROLE LOCAL_RANK]:`` prefix
-  unless it is redirected (``ERR`` in ``--redirects``).
+  (or ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``'s) unless it is redirected
+  (``ERR`` in ``--redirects``) or its rank is not in ``--local-ranks-filter``.
 * stdout goes straight to the console by default; to ``stdout.log`` only when
   redirected; to both (prefixed on the console) when teed.
 """
@@ -24,7 +26,7 @@ import sys
 import threading
 import time
 from enum import IntFlag
-from typing import IO, Callable, Mapping
+from typing import IO, Callable, Mapping, Protocol
 
 from rdzv_core.errors import ConfigError
 
@@ -73,6 +75,10 @@ def std_for_rank(value: Std | Mapping[int, Std], local_rank: int) -> Std:
     return Std(value)
 
 
+class _LineSink(Protocol):
+    def offer(self, prefix: str, line: str) -> None: ...
+
+
 class StreamPump:
     """Copy a worker's pipe, line by line, to a log file and optionally the console.
 
@@ -82,11 +88,12 @@ class StreamPump:
 
     Args:
         pipe: the readable end (binary).
-        log_path: file to append to (opened in binary mode here).
+        log_path: file to append to (opened in binary mode here), or ``None``.
         console: text stream for the copy (``sys.stdout``/``sys.stderr``) or ``None``;
             looked up at write time when given as a callable.
         prefix: text put before each console line.
         on_eof: optional callback without arguments.
+        duplicate: gets each line with ``prefix`` (``offer(prefix, line)``: the duplicate filters).
     """
 
     _console_lock = threading.Lock()
@@ -94,13 +101,15 @@ class StreamPump:
     def __init__(
         self,
         pipe: IO[bytes],
-        log_path: str,
+        log_path: str | None,
         console: Callable[[], IO[str]] | None,
         prefix: str,
         on_eof: Callable[[], None] | None = None,
+        duplicate: _LineSink | None = None,
     ) -> None:
         self._pipe = pipe
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab") if log_path is not None else None
+        self._duplicate = duplicate
         self._console = console
         self._prefix = prefix
         self._on_eof = on_eof
@@ -112,18 +121,23 @@ class StreamPump:
     def _pump(self) -> None:
         try:
             for raw in iter(self._pipe.readline, b""):
-                self._log.write(raw)
-                self._log.flush()
+                if self._log is not None:
+                    self._log.write(raw)
+                    self._log.flush()
                 line = raw.decode("utf-8", errors="replace")
                 self._tail.append(line.rstrip("\r\n"))
+                whole = line if line.endswith("\n") else line + "\n"
                 if self._console is not None:
-                    self._write_console(line if line.endswith("\n") else line + "\n")
+                    self._write_console(whole)
+                if self._duplicate is not None:
+                    self._duplicate.offer(self._prefix, whole)
         except (OSError, ValueError):  # pipe or log closed under us at shutdown
             pass
         finally:
             self.eof_at = time.monotonic()
             try:
-                self._log.close()
+                if self._log is not None:
+                    self._log.close()
                 self._pipe.close()
             except OSError:
                 pass

@@ -4,8 +4,12 @@ Keys and values may be any ``str`` or ``bytes``; each key becomes one escaped
 segment (a SHA-256 digest segment for keys over 80 bytes) under the store's prefix
 (``ROOT/store/v_V.ID/`` for a rendezvous round),
 so two runs or two rounds never see each other's keys and no key can escape the
-prefix. Blocking operations (``get``, ``wait``, ``multi_get``) watch the prefix
-until the keys appear or the timeout passes.
+prefix. Blocking operations (``get``, ``wait``, ``multi_get``, ``queue_pop``,
+``barrier``) watch the prefix until the keys appear or the timeout passes.
+Queues (torch 2.13's ``queue_push``/``queue_pop``/``queue_len``) live apart from
+the keys, under ``PREFIX@q/SEGMENT/`` (one entry per item, numbered by a counter
+at ``PREFIX@qn/SEGMENT``), so they are not counted by ``num_keys``/``list_keys``
+(as in TCPStore); docs/architecture.md lists the keys.
 
 Every operation returns or raises within its timeout (the call's, else the
 store's; a zero timeout is c10d's "no timeout"), whatever the backend's
@@ -16,6 +20,11 @@ backend that did not answer in time -- and ``torch.distributed.DistNetworkError`
 for a lost or refused connection (and a closed backend client).
 ``ValueTooLarge`` and ``CorruptEntry`` pass through as they are (bad data, not
 store trouble).
+
+torch's pybind trampoline for Python stores forwards neither the queue methods nor
+``barrier`` to Python: C++ callers (e.g. a ``PrefixStore`` over this store) get c10d's
+"queue support is not implemented", and c10d's default ``barrier`` (built on our
+``add``/``wait``, same keys as ours, so both meet).
 
 Importing this module imports torch.
 """
@@ -41,13 +50,17 @@ from .errors import (
     KeyNotFound,
     ValueTooLarge,
 )
-from .kv import KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
+from .kv import Entry, KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 
 #: c10d's default store timeout (c10d/Store.hpp).
 DEFAULT_STORE_TIMEOUT = datetime.timedelta(seconds=300)
 
+
+#: First segment of queue items (``@q``) and of queue counters (``@qn``): never a key's segment,
+#: which starts with ``=`` or ``~``.
+_QUEUE, _QUEUE_COUNTER = "@q", "@qn"
 
 #: Seconds before a wait's deadline within which a backend timeout counts as the wait's own timeout.
 _CUT_SLACK = 0.05
@@ -113,11 +126,19 @@ class KVStore(_C10dStore):
         except (BackendUnavailable, BackendClosed) as exc:
             raise dist.DistNetworkError(f"store {what} under {self._prefix!r}: {exc}") from exc
 
-    def _key(self, key: str | bytes) -> str:
+    @staticmethod
+    def _segment(key: str | bytes) -> str:
         raw = _as_bytes("key", key)
         if len(raw) <= 80:  # escaped form is at most 1 + 3 * 80 characters: one segment
-            return self._prefix + escape_segment(raw)
-        return self._prefix + "~" + hashlib.sha256(raw).hexdigest()  # long keys: a digest segment
+            return escape_segment(raw)
+        return "~" + hashlib.sha256(raw).hexdigest()  # long keys: a digest segment
+
+    def _key(self, key: str | bytes) -> str:
+        return self._prefix + self._segment(key)
+
+    def _queue(self, key: str | bytes) -> str:
+        """The prefix under which the items of queue ``key`` live."""
+        return f"{self._prefix}{_QUEUE}/{self._segment(key)}/"
 
     # -- writes -------------------------------------------------------------
     def set(self, key: str, value: str | bytes) -> None:
@@ -202,24 +223,24 @@ class KVStore(_C10dStore):
             return self._wait_get(keys, self._timeout)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        """Wait until every key in ``keys`` is set.
+        """Wait until every key in ``keys`` is set (or, as in TCPStore, is a non-empty queue).
 
         Raises:
             torch.distributed.DistStoreError: not all set within ``timeout`` (default: the store's).
         """
         limit = self._timeout if timeout is None else timeout
         with self._bounded("wait", limit):
-            self._wait_get(keys, limit)
+            self._wait_get(keys, limit, queues=True)
 
     def check(self, keys: list[str]) -> bool:
-        """Whether every key in ``keys`` is set right now (no waiting)."""
+        """Whether every key in ``keys`` is set (or is a non-empty queue) right now (no waiting)."""
         with self._bounded("check"):
-            return all(self._kv.get(self._key(k)) is not None for k in keys)
+            return all(self._kv.get(self._key(k)) is not None or self._kv.list(self._queue(k))[0] for k in keys)
 
     def num_keys(self) -> int:
         """Number of keys in this store."""
         with self._bounded("num_keys"):
-            return len(self._kv.list(self._prefix)[0])
+            return sum(1 for e in self._kv.list(self._prefix)[0] if not e.key[len(self._prefix):].startswith("@"))
 
     def clone(self) -> "KVStore":
         """This same store (it is thread-safe).
@@ -245,32 +266,109 @@ class KVStore(_C10dStore):
         return out
 
     def has_extended_api(self) -> bool:
-        """This store implements ``append``, ``multi_get`` and ``multi_set``."""
+        """True: ``append``, ``multi_get`` and ``multi_set`` are implemented (what c10d's
+        ``Store::hasExtendedApi`` promises, and what gloo's ``has_v2_support`` asks; the
+        queue and barrier methods are not gated by it)."""
         return True
 
-    def _wait_get(self, keys: Sequence[str | bytes], timeout: datetime.timedelta) -> list[bytes]:
-        """Values of ``keys`` once all are set; a zero timeout waits forever (c10d's kNoTimeout)."""
+    # -- queues and barrier (torch 2.13) ------------------------------------
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """Append ``value`` to the FIFO queue ``key`` (c10d ``queuePush``; created on first push).
+
+        Each item is one entry numbered by an atomic counter, so pushes that do not
+        overlap in time pop in push order, whichever clients made them.
+        """
+        data = _as_bytes("value", value)
+        counter = f"{self._prefix}{_QUEUE_COUNTER}/{self._segment(key)}"
+        with self._bounded("queue_push"):
+            number = self._kv.add(counter, 1)
+            self._kv.create(f"{self._queue(key)}{number:020d}", data)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        """Remove and return the oldest item of queue ``key`` (c10d ``queuePop``).
+
+        Args:
+            block: wait up to the store's timeout for an item when the queue is empty.
+
+        Raises:
+            torch.distributed.QueueEmptyError: empty and ``block`` is False.
+            torch.distributed.DistStoreError: still empty when the timeout passed.
+        """
+        items = self._queue(key)
+        seconds = self._timeout.total_seconds()
+        until = time.monotonic() + (seconds if seconds > 0 else float("inf"))
+        with self._bounded("queue_pop"):
+            while True:
+                listed, revision = self._kv.list(items)
+                for entry in sorted(listed, key=lambda e: e.key):
+                    if self._kv.delete(entry.key):  # items are written once: whoever deletes it owns it
+                        return entry.value
+                if not block:
+                    raise dist.QueueEmptyError(f"queue {key!r} under {self._prefix!r} is empty")
+                self._await_change(items, revision, until, seconds, f"an item in queue {key!r}")
+
+    def queue_len(self, key: str) -> int:
+        """Number of items in queue ``key`` (0 for a queue never pushed to)."""
+        with self._bounded("queue_len"):
+            return len(self._kv.list(self._queue(key))[0])
+
+    def barrier(self, key: str, world_size: int, timeout: datetime.timedelta | None = None) -> None:
+        """Block until ``world_size`` callers have called ``barrier`` with ``key`` (c10d 2.13 ``Store::barrier``).
+
+        c10d's default algorithm and keys (``KEY/num_members`` counted by ``add``,
+        ``KEY/last_member`` set by the last arrival), so it meets C++ callers of
+        the same store; once passed, a key's barrier stays open (single use, as in torch).
+
+        Raises:
+            torch.distributed.DistStoreError: fewer than ``world_size`` arrived within
+                ``timeout`` (default: the store's), naming how many did.
+        """
+        limit = self._timeout if timeout is None else timeout
+        count, last = f"{key}/num_members", f"{key}/last_member"
+        if self.add(count, 1) == int(world_size):
+            self.set(last, b"1")
+        try:
+            self.wait([last], limit)
+        except dist.DistStoreError as exc:
+            arrived = self.add(count, 0)
+            raise dist.DistStoreError(
+                f"barrier {key!r} under {self._prefix!r}: {arrived} of {world_size} arrived within {limit}"
+            ) from exc
+
+    def _await_change(self, prefix: str, revision: int, until: float, seconds: float, what: str) -> None:
+        """Return once something under ``prefix`` changed after ``revision``; at ``until``
+        (monotonic seconds; the wait's ``seconds``) raise ``DistStoreError`` naming ``what``."""
+        cut: BackendTimeout | None = None
+        try:
+            if wait_for_change(self._kv, prefix, revision, until):
+                return
+        except BackendTimeout as exc:  # the watch's own request, cut at our deadline: the keys' timeout
+            if time.monotonic() < until - _CUT_SLACK:
+                raise
+            cut = exc
+        raise dist.DistStoreError(f"timed out after {seconds:.3f} s waiting for {what} under {self._prefix!r}") from cut
+
+    def _wait_get(self, keys: Sequence[str | bytes], timeout: datetime.timedelta, queues: bool = False) -> list[bytes]:
+        """Values of ``keys`` once all are set; a zero timeout waits forever (c10d's kNoTimeout).
+
+        With ``queues`` a key that names a non-empty queue counts as set (its value is ``b""``).
+        """
         wanted = [self._key(k) for k in keys]
         seconds = timeout.total_seconds()
         until = time.monotonic() + (seconds if seconds > 0 else float("inf"))
-        entries = [self._kv.get(k) for k in wanted]  # fast path: everything is usually there
+        entries: list[Entry | None] = [self._kv.get(k) for k in wanted]  # fast path: usually all there
         while True:
             if all(e is not None for e in entries):
                 return [e.value for e in entries]  # type: ignore[union-attr]
             listed, revision = self._kv.list(self._prefix)  # the revision to watch from
             found = {e.key: e for e in listed}
             entries = [found.get(k) for k in wanted]
+            if queues:  # a non-empty queue counts as set (value b"", which wait() does not return)
+                queues_held = {self._queue(k): w for k, w in zip(keys, wanted, strict=True)}
+                queued = {w for q, w in queues_held.items() if any(x.key.startswith(q) for x in listed)}
+                entries = [Entry(w, b"", revision) if e is None and w in queued else e
+                           for w, e in zip(wanted, entries, strict=True)]
             if all(e is not None for e in entries):
                 continue
-            cut: BackendTimeout | None = None
-            try:
-                changed = wait_for_change(self._kv, self._prefix, revision, until)
-            except BackendTimeout as exc:  # the watch's own request, cut at our deadline: the keys' timeout
-                if time.monotonic() < until - _CUT_SLACK:
-                    raise
-                changed, cut = False, exc
-            if not changed:
-                missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
-                raise dist.DistStoreError(
-                    f"timed out after {seconds:.3f} s waiting for store keys {missing!r:.200} under {self._prefix!r}"
-                ) from cut
+            missing = [k for k, e in zip(keys, entries, strict=True) if e is None]
+            self._await_change(self._prefix, revision, until, seconds, f"store keys {missing!r:.200}")
