@@ -23,7 +23,12 @@ environment variables:
                                workers (``use_agent_store``, e.g. static), else ``False``
 ``OMP_NUM_THREADS``            ``1`` if unset and more than one local worker
 ``PYTHONUNBUFFERED``           ``1``
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``  the parent's, else ``1`` (torch's default)
+``CUDA_VISIBLE_DEVICES``       with ``virtual_local_rank``: the worker's own device, and
+                               ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.worker_options.local_rank_env`)
 =============================  =====================================================
+
+With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
 
 Logs: ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N``
 counting every start of the group (failures and membership changes alike).
@@ -40,7 +45,7 @@ from typing import Any, Callable, Mapping
 
 from rdzv_core.errors import ConfigError
 
-from . import master
+from . import master, worker_options
 from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
 from .process import WorkerProcess, stop_processes
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
@@ -70,6 +75,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         stop_grace: seconds between SIGTERM and SIGKILL when stopping (>= 0; torchrun's
             ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
         listener, exit_barrier_timeout: see :class:`SimpleElasticAgent`.
+        virtual_local_rank: torch's ``WorkerSpec.virtual_local_rank`` (``LOCAL_RANK=0``, own device).
+        numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
@@ -86,6 +93,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         stop_grace: float = DEFAULT_STOP_GRACE,
         listener: Callable[[AgentEvent], None] | None = None,
         exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
+        virtual_local_rank: bool = False,
+        numa_cpus: Mapping[int, frozenset[int]] | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -104,6 +113,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._global_ranks: dict[int, int] = {}
         self._starts = 0
         self._exited = threading.Event()
+        self._virtual_local_rank = virtual_local_rank
+        self._numa_cpus = dict(numa_cpus or {})
 
     @property
     def log_dir(self) -> str:
@@ -132,7 +143,6 @@ class LocalElasticAgent(SimpleElasticAgent):
         worker = group.workers[local_rank]
         env = dict(self._base_env)
         env.update(
-            LOCAL_RANK=str(local_rank),
             RANK=str(worker.global_rank),
             GROUP_RANK=str(group.group_rank),
             ROLE_RANK=str(worker.role_rank),
@@ -149,6 +159,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
             PYTHONUNBUFFERED="1",
         )
+        env.update(worker_options.torch_defaults(self._base_env))
+        env.update(worker_options.local_rank_env(self._base_env, local_rank, self._virtual_local_rank))
         if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in self._base_env:
             env["OMP_NUM_THREADS"] = "1"
         return env
@@ -170,7 +182,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             for worker in worker_group.workers:
                 lr = worker.local_rank
                 self._procs[lr] = WorkerProcess(
-                    argv,
+                    worker_options.numa_argv(argv, self._numa_cpus.get(lr)),
                     self._worker_env(worker_group, lr),
                     os.path.join(attempt_dir, str(lr)),
                     redirect=std_for_rank(self._redirects, lr),
