@@ -79,7 +79,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
 
     Raises:
-        ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
+        ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
+            with fewer devices in ``CUDA_VISIBLE_DEVICES`` than workers.
     """
 
     def __init__(
@@ -100,6 +101,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
         if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 <= stop_grace < math.inf:
             raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
+        if virtual_local_rank:
+            worker_options.check_virtual_local_rank(os.environ if env is None else env, spec.local_world_size)
         super().__init__(spec, listener, exit_barrier_timeout)
         self._redirects = redirects
         self._tee = tee
