@@ -1,7 +1,7 @@
 """torchrun 2.13's per-worker flags and variables under real ``rdzv-run`` launchers and workers.
 
 ``--nproc-per-node`` names, ``--signals-to-handle``, ``--virtual-local-rank``,
-``--numa-binding``, ``PYTHON_EXEC`` and per-role ranks (``--role``). The values
+``--numa-binding`` and ``PYTHON_EXEC``. The worker variables (and per-role ranks)
 are compared with torchrun's own in tests/test_torchrun_parity.py.
 """
 
@@ -150,24 +150,3 @@ def test_numa_binding_binds_each_worker_with_numactl(mode, procs, tmp_path):  # 
     elif len(nodes) == 1:
         assert cpus == {"0.json": allowed, "1.json": allowed}
 
-
-def test_role_ranks_count_within_each_role(procs, tmp_path):  # noqa: F811
-    """torch's ``_assign_worker_ranks``: ROLE_RANK counts within a role, ROLE_WORLD_SIZE is the role's size."""
-    url = f"file://{tmp_path}/store/roles?min_nodes=3&max_nodes=3&last_call_timeout=0.5"
-    out = str(tmp_path / "out")
-    nodes = [("trainer", "2"), ("reader", "1"), ("trainer", "1")]
-    launchers = [procs.start(["--rdzv", url, "--role", role, "--nproc-per-node", nproc, "--monitor-interval", "0.1",
-                              WORKER, "--out", out], f"node{i}") for i, (role, nproc) in enumerate(nodes)]
-    for launcher in launchers:
-        assert launcher.wait(120) == 0, launcher.tail()
-    by_group = sorted((int(r["GROUP_RANK"]), int(r["LOCAL_RANK"]), r) for r in records(out))
-    roles = [r["ROLE_NAME"] for _, _, r in by_group]
-    got = [(r["ROLE_NAME"], r["ROLE_RANK"], r["ROLE_WORLD_SIZE"], r["RANK"], r["WORLD_SIZE"]) for _, _, r in by_group]
-    sizes = {role: str(sum(int(n) for rl, n in nodes if rl == role)) for role in {"trainer", "reader"}}
-    counters: dict[str, int] = {}
-    expected = []
-    for rank, role in enumerate(roles):  # the role rank counts the role's workers before this one
-        expected.append((role, str(counters.get(role, 0)), sizes[role], str(rank), "4"))
-        counters[role] = counters.get(role, 0) + 1
-    assert got == expected
-    assert sorted(roles) == ["reader", "trainer", "trainer", "trainer"]

@@ -154,3 +154,52 @@ def test_workers_see_the_variables_torchrun_gives(case, tmp_path):
     if case == "signals-and-python-exec":
         assert {rdzv_recs[r]["__executable__"] for r in "01"} == {str(python)}
         assert {rdzv_recs[r]["TORCHELASTIC_SIGNALS_TO_HANDLE"] for r in "01"} == {"SIGTERM,SIGUSR1"}
+
+
+def _role_view(records):
+    """``(ROLE_NAME, ROLE_RANK, ROLE_WORLD_SIZE, RANK, WORLD_SIZE)`` of every worker, in global rank order."""
+    keys = ("ROLE_NAME", "ROLE_RANK", "ROLE_WORLD_SIZE", "RANK", "WORLD_SIZE")
+    return [tuple(r[k] for k in keys) for r in sorted(records.values(), key=lambda r: int(r["RANK"]))]
+
+
+def _torch_role_ranks(roles_in_rank_order):
+    """What torch's ``_assign_worker_ranks`` gives workers of these roles (global rank order)."""
+    sizes = {role: roles_in_rank_order.count(role) for role in roles_in_rank_order}
+    seen: dict[str, int] = {}
+    out = []
+    for rank, role in enumerate(roles_in_rank_order):
+        out.append((role, str(seen.get(role, 0)), str(sizes[role]), str(rank), str(len(roles_in_rank_order))))
+        seen[role] = seen.get(role, 0) + 1
+    return out
+
+
+@pytest.mark.slow
+def test_per_role_ranks_match_torchrun(tmp_path):
+    """Three nodes, two roles, different worker counts: ROLE_RANK/ROLE_WORLD_SIZE as torchrun's agent gives them."""
+    script = tmp_path / "dump.py"
+    script.write_text(DUMP)
+    nodes = [("trainer", "2"), ("reader", "1"), ("trainer", "1")]
+    parent = {k: v for k, v in os.environ.items() if k != "RDZV_URL"}
+    for name, module, backend in (("torchrun", "torch.distributed.run", "rdzv-file"),
+                                  ("rdzv-run", "rdzv_agent.launcher", "file")):
+        out = tmp_path / name
+        out.mkdir()
+        run_id = f"roles{uuid.uuid4().hex[:8]}"
+        argv = ["--nnodes", "3", "--rdzv-backend", backend, "--rdzv-endpoint", str(tmp_path / f"store-{name}"),
+                "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=0.5", "--monitor-interval", "0.1"]
+        procs = [subprocess.Popen([sys.executable, "-m", module, *argv, "--role", role, "--nproc-per-node", n,
+                                   str(script), str(out)], env=parent, cwd=tmp_path, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                 for role, n in nodes]
+        try:
+            for proc in procs:
+                _, err = proc.communicate(timeout=180)
+                assert proc.returncode == 0, f"{name}: {err.decode(errors='replace')[-3000:]}"
+        finally:
+            for proc in procs:
+                proc.kill()
+            for proc in processes_of_run(run_id):
+                proc.kill()
+        view = _role_view(_records(str(out)))
+        assert sorted(v[0] for v in view) == ["reader", "trainer", "trainer", "trainer"], name
+        assert view == _torch_role_ranks([v[0] for v in view]), name
