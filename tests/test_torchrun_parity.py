@@ -96,7 +96,7 @@ def _records(out):
 
 
 def _set_by_launcher(record, parent):
-    return {k: v for k, v in record.items() if parent.get(k) != v and k != "_"}
+    return {k: v for k, v in record.items() if parent.get(k) != v}
 
 
 CASES = {
