@@ -7,7 +7,8 @@
               | [--rdzv-backend static] --node-rank R --master-addr A --master-port P)
              [--rdzv-conf k=v,...] [--max-restarts N] [--monitor-interval S] [--role NAME]
              [--log-dir DIR] [--redirects V] [--tee V] [-m | --no-python | --run-path]
-             [--start-method M] [--local-addr A] [--log-level L] SCRIPT [ARGS...]
+             [--start-method M] [--local-addr A] [--log-level L] [--signals-to-handle SIG,...]
+             [--virtual-local-rank] [--numa-binding MODE] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -39,6 +40,7 @@ from rdzv_core.errors import ConfigError
 from .api import DEFAULT_ROLE
 from .logs import LOGS_SPECS_GROUP, parse_filters, parse_local_ranks
 from .streams import Std, parse_std
+from .worker_options import DEFAULT_SIGNALS, NUMA_MODES, SIGNALS_ENV, local_world_size, parse_signals
 
 __all__ = [
     "build_parser", "parse_args", "strip_rdzv_options", "RDZV_OPTIONS", "URL_ENV", "START_METHODS", "RUN_PATH_CODE",
@@ -81,18 +83,6 @@ def _nnodes(text: str) -> tuple[int, int]:
     if lo < 1 or hi < lo:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
     return lo, hi
-
-
-def _nproc(text: str) -> int:
-    if text in ("auto", "cpu"):
-        return os.cpu_count() or 1
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, 'cpu' or 'auto', got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:
@@ -251,7 +241,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     opt("--nnodes", type=_nnodes, default=None, metavar="MIN[:MAX]",
         help="nodes in the job: a number or MIN:MAX for an elastic job (default: the URL's, else 1:1)")
-    opt("--nproc-per-node", type=_nproc, default=1, metavar="N", help="workers on this node (default 1)")
+    opt("--nproc-per-node", type=local_world_size, default=1, metavar="N",
+        help="workers on this node: a number, or cpu, gpu, xpu, auto (accelerators, else CPUs), as torchrun "
+             "(default 1)")
+    opt("--signals-to-handle", type=parse_signals, default=parse_signals(DEFAULT_SIGNALS), metavar="SIG,...",
+        help=f"signals that stop the launcher: forwarded to the workers, which are stopped; the node leaves the "
+             f"rendezvous and exits 128+N (default {DEFAULT_SIGNALS}; the workers get it in {SIGNALS_ENV})")
+    opt("--virtual-local-rank", action="store_true",
+        help="every worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to its own device (item LOCAL_RANK "
+             "of this process's list, else LOCAL_RANK)")
+    opt("--numa-binding", default=None, choices=NUMA_MODES,
+        help="bind each worker with numactl to the CPUs near its device (torch's policies; without GPUs the "
+             "local ranks are spread over the NUMA nodes); needs numactl on PATH")
     opt("--rdzv", pet=False, default=None, metavar="URL",
         help=f"rendezvous URL SCHEME://HOST:PORT/RUN_ID?key=value (or env {URL_ENV})")
     opt("--rdzv-backend", default=None, metavar="NAME", help="backend scheme, with --rdzv-endpoint and --rdzv-id")
@@ -285,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--run-path", action="store_true",
         help="run SCRIPT with runpy.run_path(SCRIPT, run_name='__main__') in each worker's Python")
     opt("--start-method", default="spawn", choices=START_METHODS,
-        help="accepted for torchrun compatibility; changes nothing: workers are always new processes "
-             "(fork+exec of the program), as torchrun does for a script, module or executable")
+        help="accepted for torchrun compatibility and changes nothing: every worker is a new process running "
+             "the program (fork+exec), which is also what torchrun does for a script, -m module, --no-python "
+             "executable (torchrun uses the method only for --run-path and Python function entry points)")
     opt("--node-rank", type=_non_negative_int, default=None, metavar="R",
         help="this node's rank, with the static rendezvous (--rdzv-backend static, torchrun's default)")
     opt("--master-addr", default=None, metavar="ADDR",

@@ -45,7 +45,7 @@ import shutil
 import sys
 import urllib.parse
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Union
 
 from rdzv_core.errors import ConfigError, InvalidURLError
@@ -70,6 +70,14 @@ from .launch_args import (
 )
 from .logs import PREFIX_TEMPLATE_ENV, load_logs_specs
 from .streams import Std
+from .worker_options import (
+    DEFAULT_SIGNALS,
+    HandledSignals,
+    check_virtual_local_rank,
+    numa_plan,
+    parse_signals,
+    python_exec,
+)
 
 __all__ = ["LaunchConfig", "LaunchTarget", "StaticRendezvous", "Standalone", "build_config", "backend_url"]
 
@@ -141,6 +149,10 @@ class LaunchConfig:
             ``None`` (group rank 0 picks a free port each round).
         start_method: ``--start-method`` as given (it changes nothing).
         nproc_per_node: workers on this node.
+        signals_to_handle: the signals that stop the launcher (``--signals-to-handle``).
+        virtual_local_rank: ``--virtual-local-rank`` (checked against ``CUDA_VISIBLE_DEVICES``).
+        numa_binding, numa_cpus: ``--numa-binding``'s policy and, per local rank, the CPUs
+            its worker is bound to (:func:`~rdzv_agent.worker_options.numa_plan`), else ``None``.
         program, program_args: the worker command ``[program, *program_args]``.
         (other attributes mirror the options)
     """
@@ -169,6 +181,11 @@ class LaunchConfig:
     duplicate_stderr_filters: list[str] = dataclasses.field(default_factory=list)
     logs_specs: str | None = None
     log_line_prefix_template: str | None = None
+    # issue 16: flags and worker variables
+    signals_to_handle: HandledSignals = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
+    virtual_local_rank: bool = False
+    numa_binding: str | None = None
+    numa_cpus: dict[int, frozenset[int]] | None = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -232,8 +249,11 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         nnodes = (1, 1) if mode == "standalone" else args.nnodes
         master_addr, master_port = _check_elastic_master(args, url), args.master_port
     min_nodes, max_nodes = nnodes if nnodes is not None else (None, None)
-    program, program_args = _worker_command(args)
+    program, program_args = _worker_command(args, environ)
     load_logs_specs(args.logs_specs)  # a bad --logs-specs fails here, before the rendezvous
+    if args.virtual_local_rank:
+        check_virtual_local_rank(environ, args.nproc_per_node)
+    numa_cpus = numa_plan(args.numa_binding, args.nproc_per_node) if args.numa_binding is not None else None
 
     return LaunchConfig(
         target=target,
@@ -259,6 +279,10 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         duplicate_stderr_filters=list(args.duplicate_stderr_filters),
         logs_specs=args.logs_specs,
         log_line_prefix_template=environ.get(PREFIX_TEMPLATE_ENV) or None,
+        signals_to_handle=args.signals_to_handle,
+        virtual_local_rank=args.virtual_local_rank,
+        numa_binding=args.numa_binding,
+        numa_cpus=numa_cpus,
     )
 
 
@@ -427,8 +451,16 @@ def _check_elastic_master(args: argparse.Namespace, url: RendezvousURL) -> str |
     return _host("--master-addr", args.master_addr)
 
 
-def _worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
-    """``(program, program_args)`` for ``SCRIPT ARGS`` under ``-m``/``--no-python``/``--run-path``."""
+def _worker_command(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, list[str]]:
+    """``(program, program_args)`` for ``SCRIPT ARGS`` under ``-m``/``--no-python``/``--run-path``.
+
+    A script or ``-m`` module runs with ``PYTHON_EXEC`` if set, else this Python (torch's
+    ``config_from_args``); ``--run-path`` always with this Python (torch runs it in a
+    ``multiprocessing`` child of its own interpreter).
+
+    Raises:
+        ConfigError: conflicting modes, a missing script, or ``PYTHON_EXEC`` not an executable.
+    """
     chosen = [name for name, on in (("-m", args.module), ("--no-python", args.no_python),
                                     ("--run-path", args.run_path)) if on]
     if len(chosen) > 1:
@@ -438,13 +470,15 @@ def _worker_command(args: argparse.Namespace) -> tuple[str, list[str]]:
         if not (os.path.isfile(program) and os.access(program, os.X_OK)):
             raise ConfigError("script", args.script, "not an executable file (--no-python)")
         return program, list(args.script_args)
+    python = python_exec(environ) if not args.run_path else sys.executable
     if args.module:
-        return sys.executable, ["-u", "-m", args.script, *args.script_args]
+        return python, ["-u", "-m", args.script, *args.script_args]
     if not os.path.isfile(args.script):
         raise ConfigError("script", args.script, "no such file")
     if args.run_path:  # torchrun wants an absolute path here; make it one
-        return sys.executable, ["-u", "-c", RUN_PATH_CODE, os.path.abspath(args.script), *args.script_args]
-    return sys.executable, ["-u", args.script, *args.script_args]
+        return python, ["-u", "-c", RUN_PATH_CODE, os.path.abspath(args.script), *args.script_args]
+    return python, ["-u", args.script, *args.script_args]
+
 
 
 def _shutdown_timeout(args: argparse.Namespace, environ: Mapping[str, str]) -> float:

@@ -25,7 +25,8 @@ Exit status, and what happens to the run (as with ``torchrun``, whose
   was already closed, the backend failed, or a worker could not be started:
   ``shutdown()`` closes the run, so the job ends on every node;
 * 2 — bad arguments or URL (one line on stderr); the run is left open (``release()``);
-* 128 + N — stopped by signal N (SIGTERM, SIGINT, SIGHUP): the signal is forwarded
+* 128 + N — stopped by signal N (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP,
+  SIGQUIT as torchrun; the workers get the list in ``TORCHELASTIC_SIGNALS_TO_HANDLE``): the signal is forwarded
   to the workers, they are stopped, and ``release()`` leaves the rendezvous
   *without* closing the run, so the other nodes re-form without this one.
 
@@ -68,6 +69,7 @@ from .local import LocalElasticAgent
 from .logs import make_logs_specs
 from .report import Reporter, Summary
 from .simple import AgentEvent
+from .worker_options import SIGNALS_ENV
 
 __all__ = ["main", "worker_environment", "EXIT_FAILURE", "EXIT_USAGE"]
 
@@ -75,7 +77,6 @@ log = logging.getLogger(__name__)
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _password_forms(password: str | None) -> list[str]:
@@ -223,27 +224,31 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
 
         logs_specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
                                      config.local_ranks_filter)
+        env = worker_environment(os.environ, target.password if isinstance(target, RendezvousURL) else None)
+        env[SIGNALS_ENV] = config.signals_to_handle.text  # torch's launch_agent sets it; the workers inherit it
         agent = LocalElasticAgent(
             spec, logs_specs=logs_specs, log_line_prefix_template=config.log_line_prefix_template,
             duplicate_stdout_filters=config.duplicate_stdout_filters,
             duplicate_stderr_filters=config.duplicate_stderr_filters,
-            env=worker_environment(os.environ, target.password if isinstance(target, RendezvousURL) else None),
+            env=env,
             listener=listener,
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
+            virtual_local_rank=config.virtual_local_rank, numa_cpus=config.numa_cpus,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes
         return _error(str(exc))
 
-    summary = _run(agent, handler)
+    summary = _run(agent, handler, config.signals_to_handle.signals)
     summary.run_id, summary.url = handler.get_run_id(), shown_url
     sys.stderr.write(summary.render() + "\n")
     sys.stderr.flush()
     return summary.exit_code
 
 
-def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
-    """Run the agent with signal handling; close or leave the rendezvous (see the module docstring); summarize."""
+def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signals]) -> Summary:
+    """Run the agent, stopping on ``signals`` (``--signals-to-handle``); close or leave the rendezvous (see the
+    module docstring); summarize."""
     pending: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -253,7 +258,7 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
         pending.append(signum)
         raise SignalException(signum)
 
-    previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
+    previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     failures: list[WorkerFailure] = []
     close = True  # torchrun: shutdown() (closes the run) unless stopped by a signal
     finished = False  # release() as a member that finished (the others carry on in the round)

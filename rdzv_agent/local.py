@@ -23,7 +23,12 @@ environment variables:
                                workers (``use_agent_store``, e.g. static), else ``False``
 ``OMP_NUM_THREADS``            ``1`` if unset and more than one local worker
 ``PYTHONUNBUFFERED``           ``1``
+``TORCH_NCCL_ASYNC_ERROR_HANDLING``  the parent's, else ``1`` (torch's default)
+``CUDA_VISIBLE_DEVICES``       with ``virtual_local_rank``: the worker's own device, and
+                               ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.worker_options.local_rank_env`)
 =============================  =====================================================
+
+With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
 
 Logs: placed by a torch ``LogsSpecs`` (:mod:`rdzv_agent.logs`); by default
 ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N`` =
@@ -43,7 +48,7 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from rdzv_core.errors import ConfigError
 
-from . import master
+from . import master, worker_options
 from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
 from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
 from .process import WorkerProcess, stop_processes
@@ -76,9 +81,12 @@ class LocalElasticAgent(SimpleElasticAgent):
         log_line_prefix_template: console prefix template (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``).
         duplicate_stdout_filters, duplicate_stderr_filters: tee'd lines containing one of these
             are also written to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``.
+        virtual_local_rank: torch's ``WorkerSpec.virtual_local_rank`` (``LOCAL_RANK=0``, own device).
+        numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
 
     Raises:
-        ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
+        ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
+            with fewer devices in ``CUDA_VISIBLE_DEVICES`` than workers.
     """
 
     def __init__(
@@ -97,11 +105,15 @@ class LocalElasticAgent(SimpleElasticAgent):
         log_line_prefix_template: str | None = None,
         duplicate_stdout_filters: Sequence[str] = (),
         duplicate_stderr_filters: Sequence[str] = (),
+        virtual_local_rank: bool = False,
+        numa_cpus: Mapping[int, frozenset[int]] | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
         if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 <= stop_grace < math.inf:
             raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
+        if virtual_local_rank:
+            worker_options.check_virtual_local_rank(os.environ if env is None else env, spec.local_world_size)
         super().__init__(spec, listener, exit_barrier_timeout)
         self._base_env = dict(os.environ if env is None else env)
         self._stop_grace = float(stop_grace)
@@ -115,6 +127,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._global_ranks: dict[int, int] = {}
         self._starts = 0
         self._exited = threading.Event()
+        self._virtual_local_rank = virtual_local_rank
+        self._numa_cpus = dict(numa_cpus or {})
 
     @property
     def log_dir(self) -> str:
@@ -144,7 +158,6 @@ class LocalElasticAgent(SimpleElasticAgent):
         worker = group.workers[local_rank]
         env = dict(self._base_env)
         env.update(
-            LOCAL_RANK=str(local_rank),
             RANK=str(worker.global_rank),
             GROUP_RANK=str(group.group_rank),
             ROLE_RANK=str(worker.role_rank),
@@ -161,6 +174,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
             PYTHONUNBUFFERED="1",
         )
+        env.update(worker_options.torch_defaults(self._base_env))
+        env.update(worker_options.local_rank_env(self._base_env, local_rank, self._virtual_local_rank))
         if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in self._base_env:
             env["OMP_NUM_THREADS"] = "1"
         return env
@@ -185,8 +200,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             for worker in worker_group.workers:
                 lr = worker.local_rank
                 prefix = line_prefix(self._prefix_template, spec.role, self._global_ranks[lr], lr)
-                self._procs[lr] = WorkerProcess(argv, envs[lr], worker_streams(dest, lr, prefix, filters),
-                                                on_exit=self._exited)
+                self._procs[lr] = WorkerProcess(worker_options.numa_argv(argv, self._numa_cpus.get(lr)), envs[lr],
+                                                worker_streams(dest, lr, prefix, filters), on_exit=self._exited)
         except OSError:
             self._stop_workers(worker_group)
             raise
