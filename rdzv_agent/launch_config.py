@@ -68,6 +68,7 @@ from .launch_args import (
     _non_negative_int,
     _rdzv_conf,
 )
+from .ops import OpsHooks, ops_from_env
 from .streams import Std
 
 __all__ = ["LaunchConfig", "LaunchTarget", "StaticRendezvous", "Standalone", "build_config", "backend_url"]
@@ -162,6 +163,8 @@ class LaunchConfig:
     start_method: str = "spawn"
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
+    # issue 16: operations hooks (health check, watchdog, stuck-process check), from their variables
+    ops: OpsHooks = OpsHooks()
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -246,6 +249,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         start_method=args.start_method,
         shutdown_timeout=_shutdown_timeout(args, environ),
         exit_barrier_timeout=args.exit_barrier_timeout,
+        ops=ops_from_env(environ),
     )
 
 

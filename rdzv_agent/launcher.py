@@ -61,6 +61,7 @@ from torch.distributed.elastic.rendezvous.api import (
 import rdzv_core
 from rdzv_core.url import RendezvousURL
 
+from . import health
 from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
 from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
@@ -153,16 +154,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         return _error(str(exc))
     target = config.target
+    heartbeat = health.Heartbeat()
+    try:  # before the rendezvous, as torch's launch_agent
+        server = health.start_server(config.ops.health_check_port, config.ops.health_check_timeout, heartbeat)
+    except OSError as exc:
+        return _error(str(exc))
     standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if isinstance(target, Standalone) else ""
     try:
-        return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target)
+        return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target,
+                       heartbeat)
     finally:
+        if server is not None:
+            server.stop()
         if standalone_dir:
             shutil.rmtree(standalone_dir, ignore_errors=True)
 
 
-def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter
-                     ) -> tuple[Any, str, dict[str, Any]]:
+def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter,
+                     heartbeat: health.Heartbeat) -> tuple[Any, str, dict[str, Any]]:
     """The handler, the rendezvous as shown to a person, and the node counts/timeout shown.
 
     Raises:
@@ -176,7 +185,7 @@ def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezv
         shown: dict[str, Any] = {"min_nodes": static.nnodes, "max_nodes": static.nnodes, "timeout": static.timeout}
         return create_static_handler(static), static.describe(), shown
     url = target
-    options: dict[str, Any] = {"on_progress": reporter.progress}
+    options: dict[str, Any] = {"on_progress": health.rendezvous_progress(heartbeat, reporter.progress)}
     if config.local_addr:
         options["local_addr"] = config.local_addr
     try:
@@ -194,10 +203,10 @@ class _OpenError(Exception):
     """The backend could not be opened (the message is safe to show)."""
 
 
-def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> int:
+def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, heartbeat: health.Heartbeat) -> int:
     reporter = Reporter()
     try:
-        handler, shown_url, shown = _open_rendezvous(config, target, reporter)
+        handler, shown_url, shown = _open_rendezvous(config, target, reporter, heartbeat)
     except ValueError as exc:
         return _error(str(exc))
     except _OpenError as exc:
@@ -217,7 +226,11 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             if event.kind == "rendezvous":
                 reporter.waiting(handler.get_run_id(), shown["min_nodes"], shown["max_nodes"], shown["timeout"],
                                  event.data["attempt"])
+                if isinstance(target, StaticRendezvous):  # torch's handler reports no progress: bounded by its timeout
+                    heartbeat.hold()
             else:
+                if event.kind == "rendezvous_done":
+                    heartbeat.beat(round=health.round_version(handler))
                 reporter.event(event)
 
         agent = LocalElasticAgent(
@@ -225,6 +238,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             env=worker_environment(os.environ, target.password if isinstance(target, RendezvousURL) else None),
             listener=listener,
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
+            ops=config.ops, heartbeat=heartbeat,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes

@@ -23,7 +23,11 @@ environment variables:
                                workers (``use_agent_store``, e.g. static), else ``False``
 ``OMP_NUM_THREADS``            ``1`` if unset and more than one local worker
 ``PYTHONUNBUFFERED``           ``1``
+``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.watchdog`)
 =============================  =====================================================
+
+Operations hooks (``ops``, :mod:`rdzv_agent.ops`): torch's file-timer watchdog and the
+stuck-process check (:mod:`rdzv_agent.stuck`).
 
 Logs: ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N``
 counting every start of the group (failures and membership changes alike).
@@ -35,18 +39,26 @@ import math
 import os
 import signal
 import tempfile
+import logging
 import threading
 from typing import Any, Callable, Mapping
 
 from rdzv_core.errors import ConfigError
 
 from . import master
-from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .health import Heartbeat
+from .ops import OpsHooks
 from .process import WorkerProcess, stop_processes
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std, std_for_rank
+from .stuck import TIMEOUT_ENV as STUCK_ENV
+from .stuck import UninterruptibleCheck
+from .watchdog import WorkerWatchdog
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
+
+log = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers (torchrun's ``--shutdown-timeout`` default).
 DEFAULT_STOP_GRACE = 30.0
@@ -69,7 +81,9 @@ class LocalElasticAgent(SimpleElasticAgent):
             launcher passes one without secrets.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping (>= 0; torchrun's
             ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
-        listener, exit_barrier_timeout: see :class:`SimpleElasticAgent`.
+        listener, exit_barrier_timeout, heartbeat: see :class:`SimpleElasticAgent`.
+        ops: the watchdog and stuck-process settings (default: both off); the launcher
+            reads them from torch's variables (:func:`rdzv_agent.ops.ops_from_env`).
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, or ``stop_grace`` is invalid.
@@ -86,12 +100,17 @@ class LocalElasticAgent(SimpleElasticAgent):
         stop_grace: float = DEFAULT_STOP_GRACE,
         listener: Callable[[AgentEvent], None] | None = None,
         exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
+        ops: OpsHooks | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
         if isinstance(stop_grace, bool) or not isinstance(stop_grace, (int, float)) or not 0 <= stop_grace < math.inf:
             raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
-        super().__init__(spec, listener, exit_barrier_timeout)
+        super().__init__(spec, listener, exit_barrier_timeout, heartbeat)
+        ops = ops or OpsHooks()
+        self._watchdog = WorkerWatchdog(ops.file_timer, ops.timer_file)
+        self._stuck = UninterruptibleCheck(ops.uninterruptible_state_timeout)
         self._redirects = redirects
         self._tee = tee
         self._base_env = dict(os.environ if env is None else env)
@@ -166,12 +185,14 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._procs = {}
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
+        envs = {w.local_rank: self._worker_env(worker_group, w.local_rank) for w in worker_group.workers}
+        self._watchdog.start(spec.rdzv_handler.get_run_id(), envs.values())
         try:
             for worker in worker_group.workers:
                 lr = worker.local_rank
                 self._procs[lr] = WorkerProcess(
                     argv,
-                    self._worker_env(worker_group, lr),
+                    envs[lr],
                     os.path.join(attempt_dir, str(lr)),
                     redirect=std_for_rank(self._redirects, lr),
                     tee=std_for_rank(self._tee, lr),
@@ -184,11 +205,21 @@ class LocalElasticAgent(SimpleElasticAgent):
         return {lr: proc.pid for lr, proc in self._procs.items()}
 
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period)."""
+        """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period).
+
+        The watchdog stops first, as torch's ``LocalElasticAgent._shutdown``.
+        """
+        self._watchdog.stop()
         stop_processes(list(self._procs.values()), sig, self._stop_grace)
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
         self._stop_workers(self._worker_group, death_sig)
+
+    def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
+        try:
+            return super().run(role)
+        finally:  # the workers are done: remove the watchdog's pipe
+            self._watchdog.stop()
 
     def _wait(self, seconds: float) -> None:
         self._exited.wait(seconds)
@@ -203,6 +234,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             for lr in sorted(failed, key=lambda r: self._procs[r].exited_at):
                 proc = self._procs[lr]
                 error = proc.error()
+                if proc.pid in self._watchdog.reaped:
+                    error = f"killed by the watchdog: timer {self._watchdog.reaped[proc.pid]!r} expired\n{error}"
                 failures[self._global_ranks[lr]] = WorkerFailure(
                     global_rank=self._global_ranks[lr],
                     local_rank=lr,
@@ -215,4 +248,21 @@ class LocalElasticAgent(SimpleElasticAgent):
             return MonitorResult(WorkerState.FAILED, exceptions=failures)
         if codes and all(code == 0 for code in codes.values()):
             return MonitorResult(WorkerState.SUCCEEDED, ret_vals={self._global_ranks[lr]: 0 for lr in codes})
-        return MonitorResult(WorkerState.HEALTHY)
+        return self._check_stuck()
+
+    def _check_stuck(self) -> MonitorResult:
+        """UNHEALTHY, not restartable, if a running worker stayed in ``D`` state too long (:mod:`.stuck`)."""
+        running = {lr: proc.pid for lr, proc in self._procs.items() if proc.poll() is None}
+        stuck = self._stuck.check(running)
+        if not stuck:
+            return MonitorResult(WorkerState.HEALTHY)
+        failures: dict[int, Exception] = {}
+        for lr, seconds in stuck.items():
+            rank, proc = self._global_ranks[lr], self._procs[lr]
+            failures[rank] = WorkerFailure(
+                global_rank=rank, local_rank=lr, exit_code=None, log_path=proc.stderr_path, pid=proc.pid,
+                error=f"in uninterruptible sleep (D state) for {seconds:.1f} s >= "
+                      f"{STUCK_ENV}={self._stuck.timeout:g} s; restarts disabled",
+            )
+            log.error("[%s] worker pid %d %s", self._worker_group.spec.role, proc.pid, failures[rank])
+        return MonitorResult(WorkerState.UNHEALTHY, exceptions=failures, restart=False)
