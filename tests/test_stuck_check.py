@@ -113,16 +113,6 @@ def test_worker_in_d_state_past_the_timeout_fails_the_job_without_restart(tmp_pa
             proc.kill()
 
 
-@pytest.mark.slow
-def test_d_state_shorter_than_the_timeout_is_left_alone(tmp_path) -> None:
-    node = launch(tmp_path, "rdzv_agent.launcher", {ENV: "20", "D_SECONDS": "2"}, restarts=0)
-    try:
-        assert node.wait(120) == 0, node.tail()
-    finally:
-        node.kill_all()
-    assert (tmp_path / "done_0_0").exists() and (tmp_path / "done_0_1").exists()
-
-
 def test_bad_value_is_a_usage_error_naming_the_variable(tmp_path) -> None:
     (tmp_path / "ok.py").write_text("pass\n")
     done = subprocess.run([sys.executable, "-m", "rdzv_agent.launcher", "--standalone", str(tmp_path / "ok.py")],

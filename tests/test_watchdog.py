@@ -126,3 +126,23 @@ def test_enable_value_other_than_0_or_1_is_a_usage_error(tmp_path) -> None:
     finally:
         node.kill_all()
     assert "TORCHELASTIC_ENABLE_FILE_TIMER" in node.stderr() and "'true'" in node.stderr()
+
+
+def test_stop_before_any_client_leaves_no_thread(tmp_path) -> None:
+    """torch's FileTimerServer leaves its thread blocked opening the pipe when no worker ever wrote to it."""
+    import threading
+
+    from rdzv_agent.watchdog import WorkerWatchdog
+
+    before = set(threading.enumerate())
+    watchdog = WorkerWatchdog(True, str(tmp_path / "pipe"))
+    env: dict[str, str] = {}
+    watchdog.start("run", [env])
+    assert env == {"TORCHELASTIC_TIMER_FILE": str(tmp_path / "pipe")} and os.path.exists(env["TORCHELASTIC_TIMER_FILE"])
+    assert len(set(threading.enumerate()) - before) == 1
+    watchdog.stop()
+    deadline = time.monotonic() + 5
+    while set(threading.enumerate()) - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not set(threading.enumerate()) - before
+    assert not os.path.exists(env["TORCHELASTIC_TIMER_FILE"])
