@@ -35,11 +35,11 @@ counting every start of the group (failures and membership changes alike).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
 import tempfile
-import logging
 import threading
 from typing import Any, Callable, Mapping
 

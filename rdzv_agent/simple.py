@@ -43,7 +43,6 @@ from rdzv_core.errors import ConfigError
 from rdzv_core.outage import OutageLog
 
 from . import coordination, master
-from .health import Heartbeat
 from .api import (
     DEFAULT_ROLE,
     ElasticAgent,
@@ -54,6 +53,7 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
+from .health import Heartbeat
 
 __all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 

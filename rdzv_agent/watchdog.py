@@ -24,6 +24,7 @@ import errno
 import logging
 import os
 import tempfile
+import time
 import uuid
 from typing import Iterable, Mapping, MutableMapping
 
@@ -64,11 +65,17 @@ class _AgentTimerServer(FileTimerServer):
 
     def stop(self) -> None:
         self._stop_signaled = True
-        try:  # a watchdog thread still blocked opening the pipe (no client yet) wakes up and sees the stop
-            os.close(os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK))
-        except OSError as exc:
-            if exc.errno not in (errno.ENXIO, errno.ENOENT):
-                log.debug("could not wake the watchdog thread: %s", exc)
+        thread = self._watchdog_thread
+        deadline = time.monotonic() + 2.0
+        # a thread blocked opening the pipe (no client yet) wakes when a writer opens it, then sees the stop;
+        # ENXIO: it has not reached open() yet, try again
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            try:
+                os.close(os.open(self._file_path, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError as exc:
+                if exc.errno != errno.ENXIO:
+                    break
+            thread.join(0.02)
         super().stop()
 
 
@@ -98,6 +105,7 @@ class WorkerWatchdog:
             OSError: the pipe cannot be created.
         """
         self.stop()
+        self.reaped.clear()  # the previous start's workers were judged already
         path = self._file_path
         if self._enabled:
             if path is None:
