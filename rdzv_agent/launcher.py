@@ -24,7 +24,8 @@ Exit status, and what happens to the run (as with ``torchrun``, whose
 * 1 — the workers failed with no restarts left, the rendezvous timed out, the run
   was already closed, the backend failed, or a worker could not be started:
   ``shutdown()`` closes the run, so the job ends on every node;
-* 2 — bad arguments or URL (one line on stderr); the run is left open (``release()``);
+* 2 — bad arguments or URL, a bad operations-hook variable or a taken health-check port
+  (``docs/operations.md``; one line on stderr); the run is left open (``release()``);
 * 128 + N — stopped by signal N (SIGTERM, SIGINT, SIGHUP): the signal is forwarded
   to the workers, they are stopped, and ``release()`` leaves the rendezvous
   *without* closing the run, so the other nodes re-form without this one.

@@ -87,7 +87,8 @@ class AgentEvent:
             ``restarting``: ``reason`` (``"failed"``, ``"membership"``,
             ``"port_in_use"``, ``"no_master"``), ``remaining_restarts``, ``failures`` or
             ``nodes_waiting``; ``exit_barrier``: ``timeout`` (about to wait);
-            ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``.
+            ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``,
+            ``restart`` (``False``: the failure was not restartable, e.g. a stuck worker).
     """
 
     kind: str
@@ -459,6 +460,6 @@ class SimpleElasticAgent(ElasticAgent):
         else:
             self._stop_workers(group)
             group.state = WorkerState.FAILED
-            self._emit("failed", failures=failures)
+            self._emit("failed", failures=failures, restart=result.restart)
             why = f"max_restarts={spec.max_restarts} spent" if result.restart else f"{result.state.name}: no restart"
             raise WorkerGroupFailureException(f"[{spec.role}] worker group failed; {why}", failures)
