@@ -288,19 +288,23 @@ class MonitorResult:
         ret_vals: for SUCCEEDED, each worker's result by global rank.
         exceptions: for FAILED, a :class:`WorkerFailure` (or other exception) by
             global rank, for the workers that failed.
+        restart: ``False``: a FAILED/UNHEALTHY group must not be restarted, whatever
+            restarts remain (the stuck-process check, :mod:`rdzv_agent.stuck`).
     """
 
-    __slots__ = ["state", "ret_vals", "exceptions"]
+    __slots__ = ["state", "ret_vals", "exceptions", "restart"]
 
     def __init__(
         self,
         state: WorkerState,
         ret_vals: dict[int, Any] | None = None,
         exceptions: dict[int, Exception] | None = None,
+        restart: bool = True,
     ) -> None:
         self.state = state
         self.ret_vals = ret_vals or {}
         self.exceptions = exceptions or {}
+        self.restart = restart
 
 
 class WorkerGroupFailureException(Exception):

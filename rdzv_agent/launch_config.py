@@ -69,6 +69,7 @@ from .launch_args import (
     _rdzv_conf,
 )
 from .logs import PREFIX_TEMPLATE_ENV, load_logs_specs
+from .ops import OpsHooks, ops_from_env
 from .streams import Std
 from .worker_options import (
     DEFAULT_SIGNALS,
@@ -186,6 +187,8 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     numa_binding: str | None = None
     numa_cpus: dict[int, frozenset[int]] | None = None
+    # issue 16: operations hooks (health check, watchdog, stuck-process check), from their variables
+    ops: OpsHooks = OpsHooks()
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -283,6 +286,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         virtual_local_rank=args.virtual_local_rank,
         numa_binding=args.numa_binding,
         numa_cpus=numa_cpus,
+        ops=ops_from_env(environ),
     )
 
 

@@ -24,7 +24,8 @@ Exit status, and what happens to the run (as with ``torchrun``, whose
 * 1 — the workers failed with no restarts left, the rendezvous timed out, the run
   was already closed, the backend failed, or a worker could not be started:
   ``shutdown()`` closes the run, so the job ends on every node;
-* 2 — bad arguments or URL (one line on stderr); the run is left open (``release()``);
+* 2 — bad arguments or URL, a bad operations-hook variable or a taken health-check port
+  (``docs/operations.md``; one line on stderr); the run is left open (``release()``);
 * 128 + N — stopped by signal N (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP,
   SIGQUIT as torchrun; the workers get the list in ``TORCHELASTIC_SIGNALS_TO_HANDLE``): the signal is forwarded
   to the workers, they are stopped, and ``release()`` leaves the rendezvous
@@ -62,6 +63,7 @@ from torch.distributed.elastic.rendezvous.api import (
 import rdzv_core
 from rdzv_core.url import RendezvousURL
 
+from . import health
 from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
 from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
@@ -155,16 +157,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         return _error(str(exc))
     target = config.target
+    heartbeat = health.Heartbeat()
+    try:  # before the rendezvous, as torch's launch_agent
+        server = health.start_server(config.ops.health_check_port, config.ops.health_check_timeout, heartbeat)
+    except OSError as exc:
+        return _error(str(exc))
     standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if isinstance(target, Standalone) else ""
     try:
-        return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target)
+        return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target,
+                       heartbeat)
     finally:
+        if server is not None:
+            server.stop()
         if standalone_dir:
             shutil.rmtree(standalone_dir, ignore_errors=True)
 
 
-def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter
-                     ) -> tuple[Any, str, dict[str, Any]]:
+def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter,
+                     heartbeat: health.Heartbeat) -> tuple[Any, str, dict[str, Any]]:
     """The handler, the rendezvous as shown to a person, and the node counts/timeout shown.
 
     Raises:
@@ -178,7 +188,7 @@ def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezv
         shown: dict[str, Any] = {"min_nodes": static.nnodes, "max_nodes": static.nnodes, "timeout": static.timeout}
         return create_static_handler(static), static.describe(), shown
     url = target
-    options: dict[str, Any] = {"on_progress": reporter.progress}
+    options: dict[str, Any] = {"on_progress": health.rendezvous_progress(heartbeat, reporter.progress)}
     if config.local_addr:
         options["local_addr"] = config.local_addr
     try:
@@ -196,10 +206,10 @@ class _OpenError(Exception):
     """The backend could not be opened (the message is safe to show)."""
 
 
-def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> int:
+def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, heartbeat: health.Heartbeat) -> int:
     reporter = Reporter()
     try:
-        handler, shown_url, shown = _open_rendezvous(config, target, reporter)
+        handler, shown_url, shown = _open_rendezvous(config, target, reporter, heartbeat)
     except ValueError as exc:
         return _error(str(exc))
     except _OpenError as exc:
@@ -219,7 +229,11 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             if event.kind == "rendezvous":
                 reporter.waiting(handler.get_run_id(), shown["min_nodes"], shown["max_nodes"], shown["timeout"],
                                  event.data["attempt"])
+                if isinstance(target, StaticRendezvous):  # torch's handler reports no progress: bounded by its timeout
+                    heartbeat.hold()
             else:
+                if event.kind == "rendezvous_done":
+                    heartbeat.beat(round=health.round_version(handler))
                 reporter.event(event)
 
         logs_specs = make_logs_specs(config.logs_specs, config.log_dir, config.redirects, config.tee,
@@ -234,6 +248,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             listener=listener,
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
             virtual_local_rank=config.virtual_local_rank, numa_cpus=config.numa_cpus,
+            ops=config.ops, heartbeat=heartbeat,
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes

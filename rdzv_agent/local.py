@@ -26,9 +26,13 @@ environment variables:
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``  the parent's, else ``1`` (torch's default)
 ``CUDA_VISIBLE_DEVICES``       with ``virtual_local_rank``: the worker's own device, and
                                ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.worker_options.local_rank_env`)
+``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.watchdog`)
 =============================  =====================================================
 
 With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
+
+Operations hooks (``ops``, :mod:`rdzv_agent.ops`): torch's file-timer watchdog and the
+stuck-process check (:mod:`rdzv_agent.stuck`).
 
 Logs: placed by a torch ``LogsSpecs`` (:mod:`rdzv_agent.logs`); by default
 ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N`` =
@@ -38,6 +42,7 @@ earlier logs as ``attempt_N.K``).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import signal
@@ -49,13 +54,20 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 from rdzv_core.errors import ConfigError
 
 from . import master, worker_options
-from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .health import Heartbeat
 from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
+from .ops import OpsHooks
 from .process import WorkerProcess, stop_processes
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std
+from .stuck import TIMEOUT_ENV as STUCK_ENV
+from .stuck import UninterruptibleCheck
+from .watchdog import WorkerWatchdog
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
+
+log = logging.getLogger(__name__)
 
 #: Seconds between SIGTERM and SIGKILL when stopping workers (torchrun's ``--shutdown-timeout`` default).
 DEFAULT_STOP_GRACE = 30.0
@@ -74,7 +86,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             launcher passes one without secrets.
         stop_grace: seconds between SIGTERM and SIGKILL when stopping (>= 0; torchrun's
             ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
-        listener, exit_barrier_timeout: see :class:`SimpleElasticAgent`.
+        listener, exit_barrier_timeout, heartbeat: see :class:`SimpleElasticAgent`.
         logs_specs: a torch ``LogsSpecs`` placing the files (then ``log_dir``, ``redirects``,
             ``tee`` and ``local_ranks_filter`` are its own); default :class:`~rdzv_agent.logs.RdzvLogsSpecs`.
         local_ranks_filter: local ranks whose output reaches the console (``None``: all).
@@ -83,6 +95,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             are also written to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``.
         virtual_local_rank: torch's ``WorkerSpec.virtual_local_rank`` (``LOCAL_RANK=0``, own device).
         numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
+        ops: the watchdog and stuck-process settings (default: both off); the launcher
+            reads them from torch's variables (:func:`rdzv_agent.ops.ops_from_env`).
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
@@ -107,6 +121,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         duplicate_stderr_filters: Sequence[str] = (),
         virtual_local_rank: bool = False,
         numa_cpus: Mapping[int, frozenset[int]] | None = None,
+        ops: OpsHooks | None = None,
+        heartbeat: Heartbeat | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -114,7 +130,10 @@ class LocalElasticAgent(SimpleElasticAgent):
             raise ConfigError("stop_grace", stop_grace, "must be a finite number of seconds >= 0")
         if virtual_local_rank:
             worker_options.check_virtual_local_rank(os.environ if env is None else env, spec.local_world_size)
-        super().__init__(spec, listener, exit_barrier_timeout)
+        super().__init__(spec, listener, exit_barrier_timeout, heartbeat)
+        ops = ops or OpsHooks()
+        self._watchdog = WorkerWatchdog(ops.file_timer, ops.timer_file)
+        self._stuck = UninterruptibleCheck(ops.uninterruptible_state_timeout)
         self._base_env = dict(os.environ if env is None else env)
         self._stop_grace = float(stop_grace)
         self._logs_specs = logs_specs if logs_specs is not None else make_logs_specs(
@@ -193,6 +212,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
         envs = {w.local_rank: self._worker_env(worker_group, w.local_rank) for w in worker_group.workers}
+        self._watchdog.start(spec.rdzv_handler.get_run_id(), envs.values())
         dest = self._logs_specs.reify(envs)
         self._attempt_dir = os.path.dirname(dest.filtered_stdout) or None
         filters = self._open_line_filters(dest)
@@ -218,13 +238,23 @@ class LocalElasticAgent(SimpleElasticAgent):
         return made[0], made[1]
 
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
-        """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period)."""
+        """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period).
+
+        The watchdog stops first, as torch's ``LocalElasticAgent._shutdown``.
+        """
+        self._watchdog.stop()
         stop_processes(list(self._procs.values()), sig, self._stop_grace)
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
         self._stop_workers(self._worker_group, death_sig)
         for line_filter in self._line_filters:
             line_filter.close()
+
+    def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
+        try:
+            return super().run(role)
+        finally:  # the workers are done: remove the watchdog's pipe
+            self._watchdog.stop()
 
     def _wait(self, seconds: float) -> None:
         self._exited.wait(seconds)
@@ -239,6 +269,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             for lr in sorted(failed, key=lambda r: self._procs[r].exited_at):
                 proc = self._procs[lr]
                 error = proc.error()
+                if proc.pid in self._watchdog.reaped:
+                    error = f"killed by the watchdog: timer {self._watchdog.reaped[proc.pid]!r} expired\n{error}"
                 failures[self._global_ranks[lr]] = WorkerFailure(
                     global_rank=self._global_ranks[lr],
                     local_rank=lr,
@@ -251,4 +283,21 @@ class LocalElasticAgent(SimpleElasticAgent):
             return MonitorResult(WorkerState.FAILED, exceptions=failures)
         if codes and all(code == 0 for code in codes.values()):
             return MonitorResult(WorkerState.SUCCEEDED, ret_vals={self._global_ranks[lr]: 0 for lr in codes})
-        return MonitorResult(WorkerState.HEALTHY)
+        return self._check_stuck()
+
+    def _check_stuck(self) -> MonitorResult:
+        """UNHEALTHY, not restartable, if a running worker stayed in ``D`` state too long (:mod:`.stuck`)."""
+        running = {lr: proc.pid for lr, proc in self._procs.items() if proc.poll() is None}
+        stuck = self._stuck.check(running)
+        if not stuck:
+            return MonitorResult(WorkerState.HEALTHY)
+        failures: dict[int, Exception] = {}
+        for lr, seconds in stuck.items():
+            rank, proc = self._global_ranks[lr], self._procs[lr]
+            failures[rank] = WorkerFailure(
+                global_rank=rank, local_rank=lr, exit_code=None, log_path=proc.stderr_path, pid=proc.pid,
+                error=f"in uninterruptible sleep (D state) for {seconds:.1f} s >= "
+                      f"{STUCK_ENV}={self._stuck.timeout:g} s; restarts disabled",
+            )
+            log.error("[%s] worker pid %d %s", self._worker_group.spec.role, proc.pid, failures[rank])
+        return MonitorResult(WorkerState.UNHEALTHY, exceptions=failures, restart=False)

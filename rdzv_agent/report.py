@@ -161,7 +161,7 @@ class Reporter:
             for exc in list(d.get("failures", {}).values())[:3]:
                 self.say(f"  {exc}")
         elif event.kind == "failed":
-            self.say("worker group failed; no restarts left")
+            self.say("worker group failed; " + ("no restarts left" if d.get("restart", True) else "not restartable"))
         elif event.kind == "exit_barrier":
             self.say(f"all local workers finished; waiting up to {d['timeout']:g} s for the other nodes of the "
                      "round to finish (exit barrier)")

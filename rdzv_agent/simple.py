@@ -53,6 +53,7 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
+from .health import Heartbeat
 
 __all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 
@@ -86,7 +87,8 @@ class AgentEvent:
             ``restarting``: ``reason`` (``"failed"``, ``"membership"``,
             ``"port_in_use"``, ``"no_master"``), ``remaining_restarts``, ``failures`` or
             ``nodes_waiting``; ``exit_barrier``: ``timeout`` (about to wait);
-            ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``.
+            ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``,
+            ``restart`` (``False``: the failure was not restartable, e.g. a stuck worker).
     """
 
     kind: str
@@ -124,13 +126,16 @@ class SimpleElasticAgent(ElasticAgent):
         exit_barrier_timeout: seconds an agent whose workers succeeded waits for the
             round's other agents before it returns (torch's ``exit_barrier_timeout``,
             default 300; 0 skips the barrier). See :attr:`exit_barrier`.
+        heartbeat: beaten at each step and monitor pass (the health check's progress,
+            :mod:`rdzv_agent.health`); a new one when ``None``.
 
     Raises:
         ConfigError: ``exit_barrier_timeout`` is negative or not a number.
     """
 
     def __init__(self, spec: WorkerSpec, listener: Callable[[AgentEvent], None] | None = None,
-                 exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT) -> None:
+                 exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT,
+                 heartbeat: Heartbeat | None = None) -> None:
         if isinstance(exit_barrier_timeout, bool) or not isinstance(exit_barrier_timeout, (int, float)) \
                 or not 0 <= exit_barrier_timeout < float("inf"):
             raise ConfigError("exit_barrier_timeout", exit_barrier_timeout, "must be a finite number of seconds >= 0")
@@ -143,6 +148,7 @@ class SimpleElasticAgent(ElasticAgent):
         self._rendezvous_count = 0
         self._listener = listener
         self._waiting_check_outage = OutageLog(log.log)  # failed num_nodes_waiting checks: one WARNING each outage
+        self.heartbeat = heartbeat if heartbeat is not None else Heartbeat()
 
     # -- read-only views -------------------------------------------------------------
 
@@ -197,7 +203,15 @@ class SimpleElasticAgent(ElasticAgent):
 
     # -- the algorithm ------------------------------------------------------------------------
 
+    def _beat(self, step: str) -> None:
+        """Progress for the health check (the exit barrier is bounded by its timeout: held, as torch)."""
+        group = self._worker_group
+        mark = self.heartbeat.hold if step == "exit_barrier" else self.heartbeat.beat
+        mark(step=step, state=group.state.name, restart_count=self.restart_count,
+             rendezvous_count=self._rendezvous_count, group_rank=group.group_rank)
+
     def _emit(self, kind: str, **data: Any) -> None:
+        self._beat(kind)
         if self._listener is not None:
             self._listener(AgentEvent(kind, self._worker_group.spec.role, data))
 
@@ -322,7 +336,9 @@ class SimpleElasticAgent(ElasticAgent):
 
     def _round_gone(self) -> bool:
         """Whether the handler reports nodes waiting, or this node's round gone (``num_nodes_waiting() > 0``)."""
-        return self._num_nodes_waiting() > 0
+        gone = self._num_nodes_waiting() > 0
+        self.heartbeat.beat()
+        return gone
 
     def _num_nodes_waiting(self) -> int:
         """``handler.num_nodes_waiting()``; 0 (and a warning) if the backend is unreachable.
@@ -384,6 +400,7 @@ class SimpleElasticAgent(ElasticAgent):
                 self._handle_failure(group, result)
             elif state == WorkerState.HEALTHY:
                 waiting = self._num_nodes_waiting()
+                self._beat("monitor")
                 if waiting > 0:
                     self._membership_restarts += 1
                     log.info("[%s] num_nodes_waiting=%d (nodes waiting to join, or this node's round is gone; "
@@ -433,7 +450,7 @@ class SimpleElasticAgent(ElasticAgent):
         if port_conflict and self._setup_retries_left > 0:
             self._setup_retry("port_in_use", f"a worker could not bind MASTER_PORT={group.master_port}", failures)
             self._restart_workers(group)
-        elif self._remaining_restarts > 0:
+        elif self._remaining_restarts > 0 and result.restart:
             log.info("[%s] worker group %s; %d/%d restarts left; restarting", spec.role, result.state.name,
                      self._remaining_restarts, spec.max_restarts)
             self._remaining_restarts -= 1
@@ -443,7 +460,6 @@ class SimpleElasticAgent(ElasticAgent):
         else:
             self._stop_workers(group)
             group.state = WorkerState.FAILED
-            self._emit("failed", failures=failures)
-            raise WorkerGroupFailureException(
-                f"[{spec.role}] worker group failed; max_restarts={spec.max_restarts} spent", failures
-            )
+            self._emit("failed", failures=failures, restart=result.restart)
+            why = f"max_restarts={spec.max_restarts} spent" if result.restart else f"{result.state.name}: no restart"
+            raise WorkerGroupFailureException(f"[{spec.role}] worker group failed; {why}", failures)
