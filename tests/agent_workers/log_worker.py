@@ -4,7 +4,8 @@ stdout: ``out apple R=<RANK> L=<LOCAL_RANK>`` and ``out plain L=<LOCAL_RANK>``;
 stderr: ``err orange L=<LOCAL_RANK>`` and ``err plain L=<LOCAL_RANK>``. Then it writes
 ``OUT/<LOCAL_RANK>-<TORCHELASTIC_RESTART_COUNT>.json`` with its ``TORCHELASTIC_ERROR_FILE``
 and restart count, and exits 3 if ``--fail-first`` and this is the first attempt
-(restart count 0), else 0. ``--wait-for PATH`` blocks (at most 120 s) until PATH exists first.
+(restart count 0) -- once every local rank of that attempt has written its file, so no rank is
+stopped before it printed -- else 0. ``--wait-for PATH`` blocks (at most 120 s) until PATH exists first.
 """
 
 from __future__ import annotations
@@ -28,4 +29,9 @@ print(f"err plain L={local}", file=sys.stderr, flush=True)
 os.makedirs(out_dir, exist_ok=True)
 with open(os.path.join(out_dir, f"{local}-{count}-{os.getpid()}.json"), "w") as f:
     json.dump({"error_file": os.environ.get("TORCHELASTIC_ERROR_FILE"), "count": count, "rank": rank}, f)
-sys.exit(3 if "--fail-first" in args and count == "0" else 0)
+if "--fail-first" in args and count == "0":
+    until = time.monotonic() + 120
+    while (len([n for n in os.listdir(out_dir) if n.split("-")[1] == "0"]) < int(os.environ["LOCAL_WORLD_SIZE"])
+           and time.monotonic() < until):
+        time.sleep(0.05)
+    sys.exit(3)
