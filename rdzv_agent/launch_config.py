@@ -46,7 +46,7 @@ import sys
 import urllib.parse
 import uuid
 from dataclasses import dataclass
-from typing import Mapping, Union
+from typing import Any, Mapping, Union
 
 from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.plugins import parse_backend_url
@@ -162,6 +162,11 @@ class LaunchConfig:
     start_method: str = "spawn"
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
+    # issue 16: events, metrics and error files
+    #: ``--event-log-handler``: a name registered in torch's ``events.handlers``.
+    event_log_handler: str = "null"
+    #: ``--metrics-handler``: a torch ``MetricHandler`` for the ``torchelastic`` group, or ``None`` (left as is).
+    metrics_handler: Any = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -246,6 +251,8 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         start_method=args.start_method,
         shutdown_timeout=_shutdown_timeout(args, environ),
         exit_barrier_timeout=args.exit_barrier_timeout,
+        event_log_handler=getattr(args, "event_log_handler", "null"),
+        metrics_handler=getattr(args, "metrics_handler", None),
     )
 
 

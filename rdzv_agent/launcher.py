@@ -58,15 +58,20 @@ from torch.distributed.elastic.rendezvous.api import (
     RendezvousTimeoutError,
 )
 
+from torch.distributed.elastic.metrics import api as metrics
+from torch.distributed.launcher.api import _get_entrypoint_name
+
 import rdzv_core
 from rdzv_core.url import RendezvousURL
 
 from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
+from .errors_report import ERROR_FILE_ENV, launcher_error_data, write_error_file
 from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .local import LocalElasticAgent
 from .report import Reporter, Summary
 from .simple import AgentEvent
+from .telemetry import METRIC_GROUP
 
 __all__ = ["main", "worker_environment", "EXIT_FAILURE", "EXIT_USAGE"]
 
@@ -202,6 +207,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
         return _error(str(exc))
     except _OpenError as exc:
         reporter.say(str(exc))
+        _write_error_file([], exc.__cause__ or exc)
         return EXIT_FAILURE
 
     try:
@@ -211,6 +217,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
             # static: the workers reuse node rank 0's store, whose address the handler gives
             master_port=config.master_port if config.static is None else None,
             local_addr=(config.master_addr or config.local_addr) if config.static is None else None,
+            event_log_handler=config.event_log_handler,
         )
 
         def listener(event: AgentEvent) -> None:
@@ -230,11 +237,24 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous) -> i
         _release(handler)  # a usage error here must not end the job for the other nodes
         return _error(str(exc))
 
+    if config.metrics_handler is not None:
+        metrics.configure(config.metrics_handler, METRIC_GROUP)
     summary = _run(agent, handler)
     summary.run_id, summary.url = handler.get_run_id(), shown_url
+    summary.entry_point = _get_entrypoint_name(config.program, config.program_args)
     sys.stderr.write(summary.render() + "\n")
     sys.stderr.flush()
+    if summary.exit_code != 0:
+        _write_error_file(summary.failures, summary.error)
     return summary.exit_code
+
+
+def _write_error_file(failures: Sequence[WorkerFailure], error: BaseException | None) -> None:
+    """Write the launcher's error file if ``TORCHELASTIC_ERROR_FILE`` is set (see :mod:`.errors_report`)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    data = launcher_error_data(failures, error) if path else None
+    if path and data is not None:
+        write_error_file(path, data)
 
 
 def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
@@ -250,12 +270,16 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
 
     previous = {sig: signal.signal(sig, on_signal) for sig in _SIGNALS}
     failures: list[WorkerFailure] = []
+    raised: BaseException | None = None
     close = True  # torchrun: shutdown() (closes the run) unless stopped by a signal
     finished = False  # release() as a member that finished (the others carry on in the round)
     try:
         try:
             try:
                 agent.run()
+            except BaseException as exc:
+                raised = exc
+                raise
             finally:
                 pending.append(0)  # from here on, signals no longer interrupt the cleanup
             code, outcome = 0, "SUCCEEDED"
@@ -282,6 +306,9 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
         except OSError as exc:
             code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
     finally:  # also when something unexpected propagates (then the run is closed, as torchrun does)
+        # torch's launch_agent: SUCCEEDED when run() ended, failed workers included; FAILED when it raised
+        ended = isinstance(raised, (WorkerGroupFailureException, RendezvousGracefulExitError))
+        agent.telemetry.agent_ended(None if raised is None or ended else raised)
         _finish_rendezvous(handler, close, finished)
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -299,6 +326,7 @@ def _run(agent: LocalElasticAgent, handler: Any) -> Summary:
         workers=agent.worker_exit_codes(),
         failures=failures,
         log_dir=agent.log_dir,
+        error=raised if code != 0 else None,
     )
 
 

@@ -45,6 +45,7 @@ from .api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerSt
 from .process import WorkerProcess, stop_processes
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std, std_for_rank
+from .telemetry import prof
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
@@ -153,6 +154,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             env["OMP_NUM_THREADS"] = "1"
         return env
 
+    @prof
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         """Start one subprocess per local rank; return local rank -> pid.
 
@@ -183,6 +185,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             raise
         return {lr: proc.pid for lr, proc in self._procs.items()}
 
+    @prof
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
         """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period)."""
         stop_processes(list(self._procs.values()), sig, self._stop_grace)
@@ -194,6 +197,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._exited.wait(seconds)
         self._exited.clear()
 
+    @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> MonitorResult:
         """FAILED if any worker exited non-zero, SUCCEEDED if all exited 0, else HEALTHY."""
         codes = {lr: proc.poll() for lr, proc in self._procs.items()}
@@ -211,6 +215,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                     log_path=proc.stderr_path,
                     pid=proc.pid,
                     master_port_in_use=self._global_ranks[lr] == 0 and master.is_port_in_use_error(error),
+                    error_file=proc.error_file,
+                    timestamp=proc.exited_wall_time,
                 )
             return MonitorResult(WorkerState.FAILED, exceptions=failures)
         if codes and all(code == 0 for code in codes.values()):
