@@ -80,6 +80,7 @@ class AgentTelemetry:
         self._restarts_used = restarts_used
         #: whole seconds the agent's ``run()`` took (torch's ``_total_execution_time``; 0 until it ends).
         self.total_run_time = 0
+        self._hostname: str | None = None  # torch looks it up (DNS) for every event; once is enough
 
     def event(self, state: str, source: EventSource, worker: Worker | None = None,
               raw_error: str | None = None, duration_ms: float | None = None, exit_code: int | None = None,
@@ -96,7 +97,7 @@ class AgentTelemetry:
             "group_rank": group.group_rank,
             "worker_id": str(worker.id) if worker is not None else None,
             "role": spec.role,
-            "hostname": _get_fq_hostname(),
+            "hostname": self._hostname or self._set_hostname(),
             "state": state,
             "total_run_time": self.total_run_time,
             "rdzv_backend": spec.rdzv_handler.get_backend(),
@@ -106,6 +107,10 @@ class AgentTelemetry:
             "duration_ms": duration_ms,
         }
         return Event(f"torchelastic.worker.status.{state}", source=source, metadata=metadata)
+
+    def _set_hostname(self) -> str:
+        self._hostname = _get_fq_hostname()
+        return self._hostname
 
     def record(self, event: Event) -> None:
         """torch's ``events.record`` to the spec's ``event_log_handler``."""
