@@ -65,7 +65,7 @@ class Summary:
     entry_point: str = "workers"
 
     def render(self) -> str:
-        """The summary as text (at most about 25 lines)."""
+        """The summary as text (about 25 lines, and the failures in torch's ChildFailedError format)."""
         rule = "=" * 64
         lines = [rule, "rdzv-run summary", f"  outcome:  {self.outcome} (exit code {self.exit_code})"]
         if self.run_id:
@@ -87,7 +87,7 @@ class Summary:
             first = self.failures[0]
             lines.append(f"  error:    rank {first.global_rank} (local {first.local_rank}) "
                          f"{describe_exit(first.exit_code)} first; the failures (torch's format):")
-            lines += [f"    {ln}" for ln in root_cause_text(self.failures, self.entry_point).splitlines()]
+            lines += [f"    {ln}" for ln in root_cause_text(self.failures, self.entry_point, 3).splitlines()]
             if first.log_path:
                 lines.append(f"            full stderr: {first.log_path}")
         if self.log_dir:

@@ -8,7 +8,7 @@ sees what it sees under torchrun. The source of each is torch's
 ``record_duration``, ``_record_worker_events``, ``_record_metrics``,
 ``_record_flakiness_metric``, the ``put_metric`` calls of ``_invoke_run``) and
 ``torch.distributed.launcher.api.launch_agent`` (the agent's SUCCEEDED/FAILED event).
-See docs/torchrun.md for the list.
+See docs/telemetry.md for the list.
 """
 
 from __future__ import annotations

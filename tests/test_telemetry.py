@@ -15,13 +15,14 @@ import uuid
 import pytest
 
 from agent_workers.harness import Launcher, kill_run
+import test_agent_launcher
 from rdzv_core import create_handler
 
 pytest.importorskip("torch")
 
 from torch.distributed.elastic.events.api import Event, EventSource, NodeState, RdzvEvent  # noqa: E402
 
-FAST = {"last_call_timeout": "0.5", "keep_alive_ttl": "2", "timeout": "60"}
+node_url = test_agent_launcher.node_url  # the fixture: a fresh run's URL on the backend under test
 
 #: rank FAIL_RANK raises (with torch's @record) while TORCHELASTIC_RESTART_COUNT < FAIL_TIMES (KILL=1: SIGKILLs
 #: itself instead); the other ranks then sleep until the agent stops them; with no failure left, all exit 0.
@@ -80,17 +81,6 @@ WRAPPER = textwrap.dedent(
         sys.exit(main(sys.argv[2:]))
     """
 )
-
-
-@pytest.fixture
-def node_url(rdzv_base_url, rdzv_url):
-    if rdzv_base_url.startswith("memory://"):
-        pytest.skip("memory:// is in-process; launchers are separate processes")
-
-    def build(run_id: str, **query: str) -> str:
-        return rdzv_url(run_id=run_id, **{**FAST, **query})
-
-    return build
 
 
 @pytest.fixture
