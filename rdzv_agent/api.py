@@ -122,6 +122,8 @@ class WorkerSpec:
                 raise ConfigError("master_port", master_port, "must be <= 65535")
         if local_addr is not None and (not isinstance(local_addr, str) or not local_addr):
             raise ConfigError("local_addr", local_addr, "must be a non-empty host name or address")
+        if not isinstance(event_log_handler, str) or not event_log_handler:
+            raise ConfigError("event_log_handler", event_log_handler, "must be the name of a torch events handler")
         self.role = role
         self.local_world_size = _check_int("local_world_size", local_world_size, 1)
         self.fn = fn

@@ -51,14 +51,13 @@ import tempfile
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
+from torch.distributed.elastic.metrics import api as metrics
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
-
-from torch.distributed.elastic.metrics import api as metrics
 from torch.distributed.launcher.api import _get_entrypoint_name
 
 import rdzv_core

@@ -44,7 +44,6 @@ from rdzv_core.errors import ConfigError
 from rdzv_core.outage import OutageLog
 
 from . import coordination, master
-from .telemetry import AgentTelemetry, prof, profiled
 from .api import (
     DEFAULT_ROLE,
     ElasticAgent,
@@ -55,6 +54,7 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
+from .telemetry import AgentTelemetry, prof, profiled
 
 __all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 
@@ -388,11 +388,9 @@ class SimpleElasticAgent(ElasticAgent):
                 try:
                     results = self._invoke_run()
                 except WorkerGroupFailureException as exc:
-                    self._telemetry.total_run_time = int(time.monotonic() - start)
-                    self._telemetry.run_ended(exc.get_worker_exceptions())
+                    self._telemetry.run_ended(start, exc.get_worker_exceptions())
                     raise
-                self._telemetry.total_run_time = int(time.monotonic() - start)
-                self._telemetry.run_ended({})
+                self._telemetry.run_ended(start, {})
                 return results
         except BaseException as exc:
             self._shutdown(getattr(exc, "signum", signal.SIGTERM))  # idempotent

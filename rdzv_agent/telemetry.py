@@ -136,12 +136,14 @@ class AgentTelemetry:
         metrics.put_metric(f"workers.{role}.remaining_restarts", remaining_restarts, METRIC_GROUP)
         metrics.put_metric(f"workers.{role}.{state.name.lower()}", 1, METRIC_GROUP)
 
-    def run_ended(self, failures: Mapping[int, Exception]) -> None:
+    def run_ended(self, started: float, failures: Mapping[int, Exception]) -> None:
         """At the end of ``run()`` (torch's ``_record_metrics`` then ``_record_worker_events``).
 
         Args:
+            started: ``time.monotonic()`` when ``run()`` started (sets :attr:`total_run_time`).
             failures: global rank -> failure of the workers that failed (empty: they succeeded).
         """
+        self.total_run_time = int(time.monotonic() - started)
         spec = self._group.spec
         role, used, failed = spec.role, self._restarts_used(), bool(failures)
         remaining = spec.max_restarts - used
