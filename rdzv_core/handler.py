@@ -127,6 +127,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
         self._closed_ok = False
         self._waiting_outage = OutageLog(log.log)
+        self._rdzv.on_keepalive = self._keep_alive
 
     @classmethod
     def from_url(cls, url: str | RendezvousURL, **overrides: Any) -> "RdzvHandler":
@@ -167,6 +168,17 @@ class RdzvHandler(torch_api.RendezvousHandler):
             run_id=self._rdzv.run_id, message=message, node_state=state, name=f"{type(self).__name__}.{method}",
             hostname=self._local_addr or "", pid=os.getpid(), master_endpoint=master_endpoint, rank=rank,
         )
+
+    def _keep_alive(self, error: BaseException | None) -> None:
+        """An ``RdzvEvent`` per keep-alive refresh, as torch's ``DynamicRendezvousHandler._keep_alive`` records."""
+        node, run_id = self._rdzv.node_id, self._rdzv.run_id
+        if error is None:
+            self._record("_keep_alive", f"The node '{node}' has sent a keep-alive heartbeat to the rendezvous "
+                                        f"'{run_id}'.")
+        else:
+            self._record("_keep_alive", f"The node '{node}' has failed to send a keep-alive heartbeat to the "
+                                        f"rendezvous '{run_id}' due to an error of type {type(error).__name__}.",
+                         NodeState.FAILED)
 
     @property
     def rendezvous(self) -> Rendezvous:

@@ -25,7 +25,8 @@ from torch.distributed.elastic.events.api import Event, EventSource, NodeState, 
 node_url = test_agent_launcher.node_url  # the fixture: a fresh run's URL on the backend under test
 
 #: rank FAIL_RANK raises (with torch's @record) while TORCHELASTIC_RESTART_COUNT < FAIL_TIMES (KILL=1: SIGKILLs
-#: itself instead); the other ranks then sleep until the agent stops them; with no failure left, all exit 0.
+#: itself instead); the other ranks then sleep until the agent stops them; with no failure left, all exit 0
+#: (with WAIT_FOR_EVENT=TEXT: once TEXT is in the launcher's EVENTS_FILE).
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, time
@@ -41,6 +42,12 @@ SCRIPT = textwrap.dedent(
             raise ValueError(f"{os.environ['MARKER']} rank {rank}")
         if restart < fail_times and fail_rank >= 0:
             time.sleep(30)  # stopped by the agent when the failing rank fails
+        wanted, deadline = os.environ.get("WAIT_FOR_EVENT"), time.monotonic() + 60
+        while wanted and time.monotonic() < deadline:  # until the launcher recorded that event
+            with open(os.environ["EVENTS_FILE"]) as f:
+                if wanted in f.read():
+                    break
+            time.sleep(0.05)
     main()
     """
 )
@@ -195,16 +202,20 @@ def test_rendezvous_events_from_the_handler(job, node_url, rdzv_base_url, tool):
         endpoint = rdzv_base_url.split("://", 1)[1].split("?")[0]
         argv = ["--rdzv-backend", "rdzv-file", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
                 "--rdzv-conf", "last_call_timeout=0.5,keep_alive_ttl=2,join_timeout=60"]
+    beat = "handler.py:RdzvHandler._keep_alive"
     launcher = job.start([*argv, "--nnodes", "1", "--nproc-per-node", "1", "--monitor-interval", "0.1"], "node",
-                         tool=tool)
+                         tool=tool, env={"WAIT_FOR_EVENT": beat})
     assert launcher.wait(120) == 0, launcher.tail()
     evs = job.rdzv_events("node")
     seen = [(e.name, e.node_state, e.rank) for e in evs]
-    assert seen == [
+    beats = [i for i, e in enumerate(evs) if e.name == beat]
+    assert beats and all(evs[i].node_state == NodeState.RUNNING for i in beats), seen
+    assert [s for i, s in enumerate(seen) if i not in beats] == [
         ("handler.py:RdzvHandler.next_rendezvous", NodeState.RUNNING, None),
         ("handler.py:RdzvHandler.next_rendezvous", NodeState.RUNNING, 0),
         ("handler.py:RdzvHandler.shutdown", NodeState.SUCCEEDED, None),
     ], seen
+    assert 1 < beats[0] and beats[-1] < len(evs) - 1  # while a member: after joining, before the end
     assert {e.run_id for e in evs} == {run_id}
     assert {e.pid for e in evs} == {launcher.pid}
     assert evs[1].master_endpoint.rsplit(":", 1)[1].isdigit()
