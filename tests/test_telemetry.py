@@ -240,10 +240,13 @@ TORCH_METRICS = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["metrics.configure", "--metrics-handler"])
-def test_metrics_handler_sees_torchs_names(job, node_url, how):
-    """One failure, one restart, success: the handler gets torch's names and values in group torchelastic."""
+def test_metrics_handler_sees_torchs_names(job, node_url, how, tmp_path):
+    """One failure, one restart, success: the handler gets torch's names and values in group torchelastic
+    (and the launcher writes no error file: it succeeded)."""
     flag = ["--metrics-handler", "recmetrics:Recorder"] if how == "--metrics-handler" else []
-    env = {"FAIL_RANK": "1", "FAIL_TIMES": "1", "CONFIGURE_METRICS": "1" if how == "metrics.configure" else "0"}
+    error_file = tmp_path / "launcher-error.json"
+    env = {"FAIL_RANK": "1", "FAIL_TIMES": "1", "CONFIGURE_METRICS": "1" if how == "metrics.configure" else "0",
+           "TORCHELASTIC_ERROR_FILE": str(error_file)}
     launcher = job.start(["--rdzv", node_url(job.run_id()), "--nproc-per-node", "2", "--max-restarts", "1",
                           "--monitor-interval", "0.1", *flag], "node", env=env)
     assert launcher.wait(120) == 0, launcher.tail()
@@ -258,6 +261,7 @@ def test_metrics_handler_sees_torchs_names(job, node_url, how):
     assert remaining[0] == 1 and remaining[-1] == 0
     assert [v for _, n, v in got if n == "SimpleElasticAgent._rendezvous.success"] == [1, 1]
     assert all(isinstance(v, int) and v >= 0 for _, n, v in got if n.endswith(".duration.ms"))
+    assert not error_file.exists()
 
 
 @pytest.mark.slow
@@ -273,7 +277,12 @@ def test_metric_names_match_torchrun(job, tmp_path):
 
 
 def test_bad_metrics_handler_is_a_usage_error():
+    from torch.distributed.elastic import metrics
+
     from rdzv_agent.launch_args import parse_args
+
+    args = parse_args(["--metrics-handler", "console", "--standalone", "x.py"])
+    assert isinstance(args.metrics_handler, metrics.ConsoleMetricHandler)
 
     for bad in ("nosuchmodule:X", "json:nosuchattr", "json:dumps", "console2"):
         with pytest.raises(SystemExit) as info:
@@ -386,13 +395,3 @@ def test_rendezvous_failure_error_file_is_torchs_record_exception(job, node_url,
     failed = [e for e in job.rdzv_events("node") if e.node_state == NodeState.FAILED]  # torch's handler records it
     assert [e.name for e in failed] == ["handler.py:RdzvHandler.next_rendezvous"], failed
     assert failed[0].message.startswith("RendezvousClosedError") and "Traceback" in failed[0].error_trace
-
-
-@pytest.mark.slow
-def test_no_error_file_on_success(job, tmp_path):
-    error_file = tmp_path / "launcher-error.json"
-    launcher = job.start(["--standalone", "--nproc-per-node", "1"], "node",
-                         env={"TORCHELASTIC_ERROR_FILE": str(error_file)})
-    assert launcher.wait(60) == 0, launcher.tail()
-    assert not error_file.exists()
-
