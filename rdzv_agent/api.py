@@ -76,6 +76,9 @@ class WorkerSpec:
             group rank 0; ``None`` uses the host's fully qualified name.
             Neither is used when the handler shares its store with the workers
             (``use_agent_store``): then the store's address is the master endpoint.
+        event_log_handler: destination of the agent's torch events (torch's
+            ``WorkerSpec.event_log_handler``): a name registered in
+            ``torch.distributed.elastic.events.handlers`` (``"null"``, ``"console"``, ...).
 
     Raises:
         ConfigError: a field is invalid (the message names it and the value).
@@ -91,6 +94,7 @@ class WorkerSpec:
         "monitor_interval",
         "master_port",
         "local_addr",
+        "event_log_handler",
     ]
 
     def __init__(
@@ -104,6 +108,7 @@ class WorkerSpec:
         monitor_interval: float = 5.0,
         master_port: int | None = None,
         local_addr: str | None = None,
+        event_log_handler: str = "null",
     ) -> None:
         if not isinstance(role, str) or not role or any(c.isspace() for c in role):
             raise ConfigError("role", role, "must be a non-empty string without whitespace")
@@ -117,6 +122,8 @@ class WorkerSpec:
                 raise ConfigError("master_port", master_port, "must be <= 65535")
         if local_addr is not None and (not isinstance(local_addr, str) or not local_addr):
             raise ConfigError("local_addr", local_addr, "must be a non-empty host name or address")
+        if not isinstance(event_log_handler, str) or not event_log_handler:
+            raise ConfigError("event_log_handler", event_log_handler, "must be the name of a torch events handler")
         self.role = role
         self.local_world_size = _check_int("local_world_size", local_world_size, 1)
         self.fn = fn
@@ -126,6 +133,7 @@ class WorkerSpec:
         self.monitor_interval = _check_seconds("monitor_interval", monitor_interval)
         self.master_port = master_port
         self.local_addr = local_addr
+        self.event_log_handler = event_log_handler
 
     def __repr__(self) -> str:
         return (
@@ -241,6 +249,8 @@ class WorkerFailure(Exception):
         pid: process id, or ``None``.
         master_port_in_use: the worker could not bind ``MASTER_PORT`` because
             something else took it (EADDRINUSE); the agent re-chooses the port.
+        error_file: the worker's ``TORCHELASTIC_ERROR_FILE`` (it may not exist), or ``None``.
+        timestamp: wall-clock time the worker exited (seconds since the epoch), or ``None``.
     """
 
     def __init__(
@@ -252,6 +262,8 @@ class WorkerFailure(Exception):
         log_path: str | None = None,
         pid: int | None = None,
         master_port_in_use: bool = False,
+        error_file: str | None = None,
+        timestamp: float | None = None,
     ) -> None:
         self.global_rank = global_rank
         self.local_rank = local_rank
@@ -260,6 +272,8 @@ class WorkerFailure(Exception):
         self.log_path = log_path
         self.pid = pid
         self.master_port_in_use = master_port_in_use
+        self.error_file = error_file
+        self.timestamp = timestamp
         super().__init__(self.describe())
 
     def describe(self) -> str:

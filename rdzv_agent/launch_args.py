@@ -137,6 +137,26 @@ def _std(option: str):  # type: ignore[no-untyped-def]
     return convert
 
 
+def _event_log_handler(text: str) -> str:
+    """A name registered in torch's ``events.handlers`` (torch's ``get_logging_handler`` keys)."""
+    from torch.distributed.elastic.events import handlers
+
+    names = sorted(handlers._log_handlers)
+    if text not in names:
+        raise argparse.ArgumentTypeError(f"expected a registered event handler ({', '.join(names)}), got {text!r}")
+    return text
+
+
+def _metrics_handler(text: str) -> Any:
+    """A torch ``MetricHandler`` (see :func:`rdzv_agent.telemetry.metric_handler`)."""
+    from .telemetry import metric_handler
+
+    try:
+        return metric_handler(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 _GIVEN = "_rdzv_run_flags_given"  # namespace attribute: dests given on the command line
 
 
@@ -266,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--monitor-interval", type=_seconds, default=DEFAULT_MONITOR_INTERVAL, metavar="S",
         help=f"seconds between checks of the workers (default {DEFAULT_MONITOR_INTERVAL})")
     opt("--role", default=DEFAULT_ROLE, help=f"worker role name (default {DEFAULT_ROLE!r})")
+    opt("--event-log-handler", type=_event_log_handler, default="null", metavar="NAME",
+        help="where the agent's torch events go: a handler registered in torch.distributed.elastic.events.handlers "
+             "(null, console, dynamic_rendezvous, or one a wrapper registered; default null)")
+    opt("--metrics-handler", pet=False, type=_metrics_handler, default=None, metavar="SPEC",
+        help="torch metrics handler for the agent's 'torchelastic' metrics: console, null or MODULE:ATTR (a "
+             "MetricHandler, or a class/function returning one); default: leave metrics.configure(...) as it is")
     opt("--log-dir", default=None, metavar="DIR", help="directory for worker logs (default: a new temp dir)")
     opt("--redirects", "-r", type=_std("redirects"), default=Std.NONE, metavar="V",
         help="streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:V,...")

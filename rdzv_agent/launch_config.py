@@ -46,7 +46,7 @@ import sys
 import urllib.parse
 import uuid
 from dataclasses import dataclass, field
-from typing import Mapping, Union
+from typing import Any, Mapping, Union
 
 from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.plugins import parse_backend_url
@@ -189,6 +189,11 @@ class LaunchConfig:
     numa_cpus: dict[int, frozenset[int]] | None = None
     # issue 16: operations hooks (health check, watchdog, stuck-process check), from their variables
     ops: OpsHooks = OpsHooks()
+    # issue 16: events, metrics and error files
+    #: ``--event-log-handler``: a name registered in torch's ``events.handlers``.
+    event_log_handler: str = "null"
+    #: ``--metrics-handler``: a torch ``MetricHandler`` for the ``torchelastic`` group, or ``None`` (left as is).
+    metrics_handler: Any = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -287,6 +292,8 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         numa_binding=args.numa_binding,
         numa_cpus=numa_cpus,
         ops=ops_from_env(environ),
+        event_log_handler=getattr(args, "event_log_handler", "null"),
+        metrics_handler=getattr(args, "metrics_handler", None),
     )
 
 

@@ -53,18 +53,21 @@ import tempfile
 import urllib.parse
 from typing import Any, Mapping, Sequence
 
+from torch.distributed.elastic.metrics import api as metrics
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousClosedError,
     RendezvousError,
     RendezvousGracefulExitError,
     RendezvousTimeoutError,
 )
+from torch.distributed.launcher.api import _get_entrypoint_name
 
 import rdzv_core
 from rdzv_core.url import RendezvousURL
 
 from . import health
 from .api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
+from .errors_report import ERROR_FILE_ENV, launcher_error_data, write_error_file
 from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .local import LocalElasticAgent
@@ -72,6 +75,7 @@ from .logs import make_logs_specs
 from .report import Reporter, Summary
 from .simple import AgentEvent
 from .worker_options import SIGNALS_ENV
+from .telemetry import METRIC_GROUP
 
 __all__ = ["main", "worker_environment", "EXIT_FAILURE", "EXIT_USAGE"]
 
@@ -214,6 +218,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
         return _error(str(exc))
     except _OpenError as exc:
         reporter.say(str(exc))
+        _write_error_file([], exc.__cause__ or exc)
         return EXIT_FAILURE
 
     try:
@@ -223,6 +228,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
             # static: the workers reuse node rank 0's store, whose address the handler gives
             master_port=config.master_port if config.static is None else None,
             local_addr=(config.master_addr or config.local_addr) if config.static is None else None,
+            event_log_handler=config.event_log_handler,
         )
 
         def listener(event: AgentEvent) -> None:
@@ -254,11 +260,24 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
         _release(handler)  # a usage error here must not end the job for the other nodes
         return _error(str(exc))
 
+    if config.metrics_handler is not None:
+        metrics.configure(config.metrics_handler, METRIC_GROUP)
     summary = _run(agent, handler, config.signals_to_handle.signals)
     summary.run_id, summary.url = handler.get_run_id(), shown_url
+    summary.entry_point = _get_entrypoint_name(config.program, config.program_args)
     sys.stderr.write(summary.render() + "\n")
     sys.stderr.flush()
+    if summary.exit_code != 0:
+        _write_error_file(summary.failures, summary.error)
     return summary.exit_code
+
+
+def _write_error_file(failures: Sequence[WorkerFailure], error: BaseException | None) -> None:
+    """Write the launcher's error file if ``TORCHELASTIC_ERROR_FILE`` is set (see :mod:`.errors_report`)."""
+    path = os.environ.get(ERROR_FILE_ENV)
+    data = launcher_error_data(failures, error) if path else None
+    if path and data is not None:
+        write_error_file(path, data)
 
 
 def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signals]) -> Summary:
@@ -275,12 +294,16 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
 
     previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     failures: list[WorkerFailure] = []
+    raised: BaseException | None = None
     close = True  # torchrun: shutdown() (closes the run) unless stopped by a signal
     finished = False  # release() as a member that finished (the others carry on in the round)
     try:
         try:
             try:
                 agent.run()
+            except BaseException as exc:
+                raised = exc
+                raise
             finally:
                 pending.append(0)  # from here on, signals no longer interrupt the cleanup
             code, outcome = 0, "SUCCEEDED"
@@ -307,6 +330,9 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
         except OSError as exc:
             code, outcome = EXIT_FAILURE, f"cannot start the workers: {exc}"
     finally:  # also when something unexpected propagates (then the run is closed, as torchrun does)
+        # torch's launch_agent: SUCCEEDED when run() ended, failed workers included; FAILED when it raised
+        ended = isinstance(raised, (WorkerGroupFailureException, RendezvousGracefulExitError))
+        agent.telemetry.agent_ended(None if raised is None or ended else raised)
         _finish_rendezvous(handler, close, finished)
         for sig, old in previous.items():
             signal.signal(sig, old)
@@ -324,6 +350,7 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
         workers=agent.worker_exit_codes(),
         failures=failures,
         log_dir=agent.log_dir,
+        error=raised if code != 0 else None,
     )
 
 

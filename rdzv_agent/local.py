@@ -64,6 +64,7 @@ from .streams import Std
 from .stuck import TIMEOUT_ENV as STUCK_ENV
 from .stuck import UninterruptibleCheck
 from .watchdog import WorkerWatchdog
+from .telemetry import prof
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
@@ -199,6 +200,7 @@ class LocalElasticAgent(SimpleElasticAgent):
             env["OMP_NUM_THREADS"] = "1"
         return env
 
+    @prof
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         """Start one subprocess per local rank; return local rank -> pid.
 
@@ -237,6 +239,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._line_filters = [f for f in made if f is not None]
         return made[0], made[1]
 
+    @prof
     def _stop_workers(self, worker_group: WorkerGroup, sig: int = signal.SIGTERM) -> None:
         """Stop every worker and its process tree (``sig``, then SIGKILL after the grace period).
 
@@ -260,6 +263,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._exited.wait(seconds)
         self._exited.clear()
 
+    @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> MonitorResult:
         """FAILED if any worker exited non-zero, SUCCEEDED if all exited 0, else HEALTHY."""
         codes = {lr: proc.poll() for lr, proc in self._procs.items()}
@@ -279,6 +283,8 @@ class LocalElasticAgent(SimpleElasticAgent):
                     log_path=proc.stderr_path,
                     pid=proc.pid,
                     master_port_in_use=self._global_ranks[lr] == 0 and master.is_port_in_use_error(error),
+                    error_file=proc.error_file,
+                    timestamp=proc.exited_wall_time,
                 )
             return MonitorResult(WorkerState.FAILED, exceptions=failures)
         if codes and all(code == 0 for code in codes.values()):

@@ -168,6 +168,12 @@ class WorkerProcess:
         """Monotonic time the worker closed its stderr (about when it exited), else +inf."""
         return self._stderr.eof_at if self._stderr.eof_at is not None else float("inf")
 
+    @property
+    def exited_wall_time(self) -> float | None:
+        """:attr:`exited_at` as wall-clock time (seconds since the epoch), or ``None`` while running."""
+        eof = self._stderr.eof_at
+        return None if eof is None else time.time() - (time.monotonic() - eof)
+
     def error(self, max_lines: int = 5) -> str:
         """The first lines of the worker's error.
 

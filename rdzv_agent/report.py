@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, Callable
 
 from .api import WorkerFailure, describe_exit
+from .errors_report import root_cause_text
 from .simple import AgentEvent
 
 __all__ = ["Reporter", "Summary", "PROGRESS_REPEAT"]
@@ -43,6 +44,8 @@ class Summary:
         workers: global rank -> (local rank, exit status or None, stopped by the agent).
         failures: the failed workers, earliest first.
         log_dir: where the logs are.
+        error: what ended the launcher when it failed (``None`` otherwise).
+        entry_point: the workers' entry point as torch names it (the root cause's title).
     """
 
     outcome: str
@@ -58,9 +61,11 @@ class Summary:
     workers: dict[int, tuple[int, int | None, bool]] = field(default_factory=dict)
     failures: list[WorkerFailure] = field(default_factory=list)
     log_dir: str | None = None
+    error: BaseException | None = None
+    entry_point: str = "workers"
 
     def render(self) -> str:
-        """The summary as text (at most about 25 lines)."""
+        """The summary as text (about 25 lines, and the failures in torch's ChildFailedError format)."""
         rule = "=" * 64
         lines = [rule, "rdzv-run summary", f"  outcome:  {self.outcome} (exit code {self.exit_code})"]
         if self.run_id:
@@ -81,8 +86,8 @@ class Summary:
         if self.failures:
             first = self.failures[0]
             lines.append(f"  error:    rank {first.global_rank} (local {first.local_rank}) "
-                         f"{describe_exit(first.exit_code)}:")
-            lines += [f"            {ln}" for ln in (first.error.splitlines() or ["(no error output)"])[:5]]
+                         f"{describe_exit(first.exit_code)} first; the failures (torch's format):")
+            lines += [f"    {ln}" for ln in root_cause_text(self.failures, self.entry_point, 3).splitlines()]
             if first.log_path:
                 lines.append(f"            full stderr: {first.log_path}")
         if self.log_dir:

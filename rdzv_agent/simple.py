@@ -35,6 +35,7 @@ from typing import Any, Callable
 from torch.distributed import DistError
 from torch.distributed.elastic.rendezvous.api import (
     RendezvousConnectionError,
+    RendezvousGracefulExitError,
     RendezvousStateError,
     RendezvousTimeoutError,
 )
@@ -54,6 +55,7 @@ from .api import (
     WorkerState,
 )
 from .health import Heartbeat
+from .telemetry import AgentTelemetry, prof, profiled
 
 __all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 
@@ -149,12 +151,18 @@ class SimpleElasticAgent(ElasticAgent):
         self._listener = listener
         self._waiting_check_outage = OutageLog(log.log)  # failed num_nodes_waiting checks: one WARNING each outage
         self.heartbeat = heartbeat if heartbeat is not None else Heartbeat()
+        self._telemetry = AgentTelemetry(self._worker_group, lambda: self.restart_count)
 
     # -- read-only views -------------------------------------------------------------
 
     def get_worker_group(self, role: str = DEFAULT_ROLE) -> WorkerGroup:
         """The live worker group (this agent runs one role; ``role`` is not checked)."""
         return self._worker_group
+
+    @property
+    def telemetry(self) -> AgentTelemetry:
+        """This agent's torch events and metrics (:mod:`rdzv_agent.telemetry`)."""
+        return self._telemetry
 
     @property
     def restart_count(self) -> int:
@@ -215,6 +223,7 @@ class SimpleElasticAgent(ElasticAgent):
         if self._listener is not None:
             self._listener(AgentEvent(kind, self._worker_group.spec.role, data))
 
+    @prof
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """Join the next round; assign global ranks and the master endpoint.
 
@@ -226,7 +235,8 @@ class SimpleElasticAgent(ElasticAgent):
         spec = worker_group.spec
         self._emit("rendezvous", attempt=self._rendezvous_count + 1)
         try:
-            info = spec.rdzv_handler.next_rendezvous()
+            with self._telemetry.duration("RENDEZVOUS"):
+                info = spec.rdzv_handler.next_rendezvous()
         except DistError as exc:  # e.g. torch's RendezvousStoreInfo.build waiting for a vanished rank 0
             raise _NoMasterEndpoint(f"the round's store failed during the rendezvous: {exc}") from exc
         store, group_rank, group_world_size = info.store, info.rank, info.world_size
@@ -252,15 +262,10 @@ class SimpleElasticAgent(ElasticAgent):
                     master.publish(store, master.local_address(spec.local_addr), port)
                 raw = coordination.wait_values(store, [master.MASTER_KEY], *wait)[0]
                 worker_group.master_addr, worker_group.master_port = master.decode(raw)
-            base, world_size, role_base, role_world_size = coordination.assign_ranks(
-                store, spec.role, group_rank, group_world_size, spec.local_world_size, *wait)
+            with self._telemetry.duration("ASSIGN_WORKER_RANKS"):
+                self._assign_worker_ranks(worker_group, wait)
         except coordination.SetupTimeout as exc:
             raise _NoMasterEndpoint(f"the round's other agents did not show up in its store: {exc}") from exc
-        for worker in worker_group.workers:
-            worker.global_rank = base + worker.local_rank
-            worker.role_rank = role_base + worker.local_rank
-            worker.world_size = world_size
-            worker.role_world_size = role_world_size
         ranks = [w.global_rank for w in worker_group.workers]
         log.info(
             "[%s] round complete: restart_count=%d group_rank=%d group_world_size=%d "
@@ -272,11 +277,28 @@ class SimpleElasticAgent(ElasticAgent):
             "rendezvous_done",
             group_rank=group_rank,
             group_world_size=group_world_size,
-            world_size=world_size,
+            world_size=worker_group.workers[0].world_size,
             global_ranks=ranks,
             master_addr=worker_group.master_addr,
             master_port=worker_group.master_port,
         )
+
+    @prof
+    def _assign_worker_ranks(self, worker_group: WorkerGroup, wait: tuple[float, float, Callable[[], bool]]) -> None:
+        """Set the workers' global and role ranks and world sizes (:func:`coordination.assign_ranks`).
+
+        Raises:
+            coordination.SetupTimeout, coordination.RoundGone: see :func:`coordination.assign_ranks`.
+        """
+        spec = worker_group.spec
+        base, world_size, role_base, role_world_size = coordination.assign_ranks(
+            worker_group.store, spec.role, int(worker_group.group_rank or 0), int(worker_group.group_world_size or 1),
+            spec.local_world_size, *wait)
+        for worker in worker_group.workers:
+            worker.global_rank = base + worker.local_rank
+            worker.role_rank = role_base + worker.local_rank
+            worker.world_size = world_size
+            worker.role_world_size = role_world_size
 
     def _master_port_taken(self, worker_group: WorkerGroup) -> bool:
         """On group rank 0 with a chosen port: has something taken it since?"""
@@ -288,6 +310,7 @@ class SimpleElasticAgent(ElasticAgent):
             and not master.port_is_free(worker_group.master_port)
         )
 
+    @prof
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
         """Rendezvous, then start a fresh set of workers; the group becomes HEALTHY.
 
@@ -315,6 +338,7 @@ class SimpleElasticAgent(ElasticAgent):
         worker_ids = self._start_workers(worker_group)
         for local_rank, worker_id in worker_ids.items():
             worker_group.workers[local_rank].id = worker_id
+        self._telemetry.workers_started()
         worker_group.state = WorkerState.HEALTHY
         self._emit("started", pids=dict(worker_ids))
 
@@ -326,6 +350,7 @@ class SimpleElasticAgent(ElasticAgent):
         self._emit("restarting", reason=reason, remaining_restarts=self._remaining_restarts,
                    failures=dict(failures or {}))
 
+    @prof
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """Stop all local workers, rendezvous again and start new ones."""
         start = time.monotonic()
@@ -372,11 +397,22 @@ class SimpleElasticAgent(ElasticAgent):
         spec = self._worker_group.spec
         if role not in (DEFAULT_ROLE, spec.role):
             raise ConfigError("role", role, f"this agent runs role {spec.role!r} only")
+        start = time.monotonic()
         try:
-            return self._invoke_run()
+            # torch's run() returns where this raises WorkerGroupFailureException: its metrics say success
+            with profiled("SimpleElasticAgent.run", returns=(WorkerGroupFailureException, RendezvousGracefulExitError)):
+                try:
+                    results = self._invoke_run()
+                except WorkerGroupFailureException as exc:
+                    self._telemetry.run_ended(start, exc.get_worker_exceptions())
+                    raise
+                self._telemetry.run_ended(start, {})
+                return results
         except BaseException as exc:
             self._shutdown(getattr(exc, "signum", signal.SIGTERM))  # idempotent
             raise
+        finally:
+            self._telemetry.total_run_time = int(time.monotonic() - start)
 
     def _invoke_run(self) -> dict[int, Any]:
         group = self._worker_group
@@ -390,6 +426,7 @@ class SimpleElasticAgent(ElasticAgent):
             result = self._monitor_workers(group)
             state = result.state
             group.state = state
+            self._telemetry.monitored(state, self._remaining_restarts)
 
             if state == WorkerState.SUCCEEDED:
                 log.info("[%s] all workers finished successfully", role)

@@ -7,6 +7,13 @@ MASTER_ADDR/MASTER_PORT that rank 0 published in it. Errors are mapped onto
 torch's: ``RendezvousClosedError``, ``RendezvousTimeoutError``,
 ``RendezvousConnectionError`` (backend unreachable) and ``RendezvousStateError``.
 
+RendezvousEvents: at the points torch's ``DynamicRendezvousHandler`` records one
+(``_record``: joining, joined, a failed call, the run closed at shutdown), this
+handler records a torch ``RdzvEvent`` through torch's
+``events.construct_and_record_rdzv_event``, which goes to the ``dynamic_rendezvous``
+handler of ``torch.distributed.elastic.events.handlers`` (a ``NullHandler``, so nothing,
+unless a program registers one there, as with torch's own rendezvous).
+
 ``shutdown()`` closes the run, as torch's own handlers do (torchrun calls it at
 the end of every job not stopped by a signal); ``release()`` leaves the round
 and keeps the run open for the other nodes.
@@ -19,11 +26,14 @@ from __future__ import annotations
 import datetime
 import functools
 import logging
+import os
 import random
 import time
 from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.elastic.events import construct_and_record_rdzv_event
+from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from . import errors
@@ -72,6 +82,20 @@ def _mapped(fn: Callable[..., T]) -> Callable[..., T]:
     return wrapper
 
 
+def _recorded(fn: Callable[..., T]) -> Callable[..., T]:
+    """Record a FAILED ``RdzvEvent`` when the handler method ``fn`` raises (torch's handler does)."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "RdzvHandler", *args: Any, **kwargs: Any) -> T:
+        try:
+            return fn(self, *args, **kwargs)
+        except Exception as exc:
+            self._record(fn.__name__, f"{type(exc).__name__}: {exc}", NodeState.FAILED)
+            raise
+
+    return wrapper
+
+
 class RdzvHandler(torch_api.RendezvousHandler):
     """torch ``RendezvousHandler`` for any ``rdzv`` backend.
 
@@ -103,6 +127,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
         self._closed_ok = False
         self._waiting_outage = OutageLog(log.log)
+        self._rdzv.on_keepalive = self._keep_alive
 
     @classmethod
     def from_url(cls, url: str | RendezvousURL, **overrides: Any) -> "RdzvHandler":
@@ -123,6 +148,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         try:
             kv = info.spec.open(parsed)
         except errors.BackendUnavailable as exc:
+            construct_and_record_rdzv_event(run_id=parsed.run_id, message=f"{type(exc).__name__}: {exc}",
+                                            node_state=NodeState.FAILED)  # torch's create_handler does
             raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         return cls(
             kv,
@@ -133,6 +160,25 @@ class RdzvHandler(torch_api.RendezvousHandler):
             on_progress=settings.get("on_progress"),
             store_timeout=float(settings.get("store_timeout", 300.0)),
         )
+
+    def _record(self, method: str, message: str, state: NodeState = NodeState.RUNNING, rank: int | None = None,
+                master_endpoint: str = "") -> None:
+        """An ``RdzvEvent`` named ``handler.py:RdzvHandler.METHOD`` (torch's ``DynamicRendezvousHandler._record``)."""
+        construct_and_record_rdzv_event(
+            run_id=self._rdzv.run_id, message=message, node_state=state, name=f"{type(self).__name__}.{method}",
+            hostname=self._local_addr or "", pid=os.getpid(), master_endpoint=master_endpoint, rank=rank,
+        )
+
+    def _keep_alive(self, error: BaseException | None) -> None:
+        """An ``RdzvEvent`` per keep-alive refresh, as torch's ``DynamicRendezvousHandler._keep_alive`` records."""
+        node, run_id = self._rdzv.node_id, self._rdzv.run_id
+        if error is None:
+            self._record("_keep_alive", f"The node '{node}' has sent a keep-alive heartbeat to the rendezvous "
+                                        f"'{run_id}'.")
+        else:
+            self._record("_keep_alive", f"The node '{node}' has failed to send a keep-alive heartbeat to the "
+                                        f"rendezvous '{run_id}' due to an error of type {type(error).__name__}.",
+                         NodeState.FAILED)
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -153,9 +199,13 @@ class RdzvHandler(torch_api.RendezvousHandler):
     def use_agent_store(self) -> bool:
         return False
 
+    @_recorded
     @_mapped
     def next_rendezvous(self) -> torch_api.RendezvousInfo:
         """Join the next round; block until it is final (see ``Rendezvous.next_round``)."""
+        node, run_id = self._rdzv.node_id, self._rdzv.run_id
+        self._record("next_rendezvous", f"The node '{node}' attempts to join the next round of the rendezvous "
+                                        f"'{run_id}'.")
         result = self._rdzv.next_round()
         prefix = self._rdzv.store_prefix(result.version, result.round_id)
         store = _RoundStore(self._kv, prefix, self._store_timeout, on_exit_barrier=self._rdzv.mark_finished)
@@ -173,16 +223,22 @@ class RdzvHandler(torch_api.RendezvousHandler):
             raise torch_api.RendezvousTimeoutError(
                 f"round {result.version}: rank 0 did not publish MASTER_ADDR/MASTER_PORT within {wait}: {exc}"
             ) from exc
+        self._record("next_rendezvous", f"The node '{node}' has joined round {result.version} of the rendezvous "
+                     f"'{run_id}' as rank {result.rank} in a world of size {result.world_size}.", rank=result.rank,
+                     master_endpoint=f"{bootstrap.master_addr}:{bootstrap.master_port}")
         return torch_api.RendezvousInfo(store, result.rank, result.world_size, bootstrap)
 
+    @_recorded
     @_mapped
     def is_closed(self) -> bool:
         return self._rdzv.is_closed()
 
+    @_recorded
     @_mapped
     def set_closed(self) -> None:
         self._rdzv.set_closed()
 
+    @_recorded
     @_mapped
     def num_nodes_waiting(self) -> int:
         """See ``Rendezvous.num_nodes_waiting``; 0 while the backend is unreachable.
@@ -256,6 +312,9 @@ class RdzvHandler(torch_api.RendezvousHandler):
                             self._rdzv.run_id, type(exc).__name__, exc)
                 self._closed_ok = False
                 break
+        if not self._closed_ok:  # torch: "has failed to shutdown the rendezvous"
+            self._record("shutdown", f"The node '{self._rdzv.node_id}' has failed to shutdown the rendezvous "
+                         f"'{self._rdzv.run_id}'.", NodeState.FAILED)
         self._leave_and_release()
         return self._closed_ok
 
@@ -272,6 +331,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
             log.info("run %s: this node finished before the others; leaving the run open for them", rdzv.run_id)
         else:
             rdzv.set_closed()
+            self._record("shutdown", f"The node '{rdzv.node_id}' has closed the rendezvous '{rdzv.run_id}'.",
+                         NodeState.SUCCEEDED)
         return True
 
     def release(self, finished: bool = False) -> None:

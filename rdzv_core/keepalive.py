@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
@@ -57,6 +58,9 @@ class KeepAlive:
         value: the key's value (bytes), written again with ``create`` if the key
             is found gone; ``None`` to stop refreshing instead.
         name: a label for logs and ``repr``.
+        on_refresh: called after each refresh on the refresh's thread, with ``None`` when it worked or the
+            exception when it failed (inside the ``except``: ``traceback.format_exc()`` shows it); what it
+            raises is logged and ignored.
 
     Attributes:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
@@ -67,12 +71,14 @@ class KeepAlive:
     """
 
     def __init__(
-        self, kv: KVBackend, key: str, ttl: float, value: bytes | None = None, name: str = "rdzv-keepalive"
+        self, kv: KVBackend, key: str, ttl: float, value: bytes | None = None, name: str = "rdzv-keepalive",
+        on_refresh: Callable[[BaseException | None], object] | None = None,
     ) -> None:
         if not ttl > 0:
             raise ConfigError("ttl", ttl, "a keep-alive TTL must be a positive number of seconds")
         self.kv, self.key, self.ttl, self.value, self.name = kv, key, ttl, value, name
         self.interval = ttl / 3  #: seconds between refreshes
+        self.on_refresh = on_refresh
         self.lapsed = threading.Event()
         self.recreated = 0
         self._outage = OutageLog(log.log)  # one WARNING per streak of failed refreshes
@@ -145,6 +151,7 @@ class KeepAlive:
         try:
             self.kv.refresh(self.key, self.ttl)
             self._outage.recovered("keep-alive refresh of %s works again", self.key)
+            self._notify(None)
             return self.interval
         except KeyNotFoundError:
             self.lapsed.set()
@@ -160,7 +167,16 @@ class KeepAlive:
             # a server down for a minute is one WARNING line, not hundreds
             self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
                                 self.key, wait, exc)
+            self._notify(exc)
             return wait
+
+    def _notify(self, error: BaseException | None) -> None:
+        if self.on_refresh is None:
+            return
+        try:
+            self.on_refresh(error)
+        except Exception:  # a listener's bug must not end the refreshing
+            log.exception("keep-alive %s: the on_refresh callback failed", self.name)
 
     def _recreate(self) -> float | None:
         """Write the lapsed key again; return the wait before the next refresh (seconds), ``None`` to end."""

@@ -27,12 +27,6 @@ from agent_workers.harness import processes_of_run
 from rdzv_agent.launch_args import _PetFlag, _PetValue, build_parser
 from rdzv_agent.master import choose_port
 
-#: torchrun flags other engineers of issue 16 add (log specs, events). The lead empties this set at merge;
-#: the test fails if one of them is accepted while still listed, or a flag not listed is missing.
-EXPECTED_MISSING_UNTIL_MERGE = frozenset({
-    "--event-log-handler", "--event_log_handler",
-})
-
 #: Variables whose values legitimately differ between the two launchers, and why.
 DIFFERENT_VALUES = {
     "MASTER_PORT": "a free port each launcher picks (elastic), or the --master-port each test run is given",
@@ -61,13 +55,8 @@ def _option_strings(parser):
 def test_rdzv_run_accepts_every_torchrun_flag():
     torch_opts, ours = _option_strings(get_args_parser()), _option_strings(build_parser())
     missing = set(torch_opts) - set(ours)
-    assert missing == EXPECTED_MISSING_UNTIL_MERGE, (
-        f"torchrun flags rdzv-run lacks: {sorted(missing - EXPECTED_MISSING_UNTIL_MERGE)}; "
-        f"listed as missing but accepted now (empty them from EXPECTED_MISSING_UNTIL_MERGE): "
-        f"{sorted(EXPECTED_MISSING_UNTIL_MERGE - missing)}")
+    assert not missing, f"torchrun flags rdzv-run lacks: {sorted(missing)}"
     for name, action in torch_opts.items():
-        if name not in ours:
-            continue
         mine = ours[name]
         assert set(mine.option_strings) >= set(action.option_strings), name  # both spellings
         if isinstance(action, (env, check_env)):  # torch reads PET_<OPTION>: so must we

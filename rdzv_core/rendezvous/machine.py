@@ -76,6 +76,8 @@ class RoundMachine:
         self.run_id = self.keys.run_id
         self.params = params
         self.on_progress = on_progress
+        #: called after each keep-alive refresh of this node's key (see :class:`~rdzv_core.keepalive.KeepAlive`).
+        self.on_keepalive: Callable[[BaseException | None], object] | None = None
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._keepalive: KeepAlive | None = None
         self._alive_key: str | None = None
@@ -286,7 +288,8 @@ class RoundMachine:
         self.kv.put(alive_key, encode_json(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info
         self._keepalive = KeepAlive(
-            self.kv, alive_key, ttl, value=encode_json(info), name=f"rdzv-keepalive-{self.run_id}-v{version}"
+            self.kv, alive_key, ttl, value=encode_json(info), name=f"rdzv-keepalive-{self.run_id}-v{version}",
+            on_refresh=self.on_keepalive,
         )
         held = self._held
         if held is not None and held.confirmed and held.is_round(version, rid):

@@ -141,7 +141,7 @@ class Rendezvous(RoundMachine):
         except (BackendUnavailableError, BackendClosedError) as exc:
             self._log(logging.WARNING, "could not mark this member finished: %s", exc)
             self._keepalive = KeepAlive(self.kv, key, ttl, value=encode_json(self._alive_info),
-                                        name=f"rdzv-keepalive-{self.run_id}")
+                                        name=f"rdzv-keepalive-{self.run_id}", on_refresh=self.on_keepalive)
             return False
         self._finished = True
         self._log(logging.INFO, "marked this member finished")
