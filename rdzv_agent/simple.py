@@ -6,7 +6,8 @@ The loop (torchelastic's ``SimpleElasticAgent.run``)::
         SUCCEEDED           -> return the workers' results
         FAILED / UNHEALTHY  -> restart (rendezvous again) while max_restarts lasts,
                                then stop the workers and raise WorkerGroupFailureException
-        HEALTHY             -> if handler.num_nodes_waiting() > 0: restart, which
+        HEALTHY             -> if handler.num_nodes_waiting() > 0 (and the workers are still
+                               healthy after it answered): restart, which
                                does NOT spend a restart (membership change)
 
 Additions to torchelastic's: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
@@ -438,6 +439,8 @@ class SimpleElasticAgent(ElasticAgent):
             elif state == WorkerState.HEALTHY:
                 waiting = self._num_nodes_waiting()
                 self._beat("monitor")
+                if waiting > 0 and self._monitor_workers(group).state != WorkerState.HEALTHY:
+                    continue  # the workers failed or finished meanwhile: that, not a membership change
                 if waiting > 0:
                     self._membership_restarts += 1
                     log.info("[%s] num_nodes_waiting=%d (nodes waiting to join, or this node's round is gone; "

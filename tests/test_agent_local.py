@@ -268,3 +268,28 @@ def test_a_round_without_master_endpoint_is_formed_again(tmp_path):
     # ghost's leave deleted its keep-alive key, because the round's watch destroyed the round (membership)
     assert [e.data["reason"] for e in events if e.kind == "restarting"] in (["no_master"], ["membership"])
     assert agent.restart_count == 0 and agent.get_worker_group().group_world_size == 1
+
+
+def test_a_worker_that_fails_while_num_nodes_waiting_is_asked_is_a_failure(handler, tmp_path):
+    """A worker dies of its own while the agent asks ``num_nodes_waiting()`` and another node waits:
+    the failure counts (a restart spent), not a membership change (a fresh-user trial saw nodes
+    whose own workers crashed book a membership change because a peer had already re-joined)."""
+    gate = str(tmp_path / "gate")
+    agent, out = make_agent(handler, tmp_path, "--wait-for", gate, nproc=1, max_restarts=1)
+    asked = handler.num_nodes_waiting
+    fired: list[int] = []
+
+    def num_nodes_waiting() -> int:
+        first = records(out)
+        if fired or not first:
+            return asked()
+        fired.append(first[0]["pid"])
+        os.kill(fired[0], signal.SIGKILL)  # not the agent's signal: the worker died of its own
+        wait_until(lambda: not pid_alive(fired[0]), 30, "the worker to die")
+        open(gate, "w").close()  # the next attempt finishes
+        return 1  # ... and a node waits to join
+
+    handler.num_nodes_waiting = num_nodes_waiting
+    assert agent.run() == {0: 0}
+    assert fired, "the worker never ran"
+    assert (agent.restart_count, agent.membership_restarts) == (1, 0)
