@@ -8,7 +8,9 @@
              [--rdzv-conf k=v,...] [--max-restarts N] [--monitor-interval S] [--role NAME]
              [--log-dir DIR] [--redirects V] [--tee V] [-m | --no-python | --run-path]
              [--start-method M] [--local-addr A] [--log-level L] [--signals-to-handle SIG,...]
-             [--virtual-local-rank] [--numa-binding MODE] SCRIPT [ARGS...]
+             [--virtual-local-rank] [--numa-binding MODE] [--shutdown-timeout S] [--exit-barrier-timeout S]
+             [--local-ranks-filter R,...] [--duplicate-stdout-filters S,...] [--duplicate-stderr-filters S,...]
+             [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
