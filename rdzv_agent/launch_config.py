@@ -11,28 +11,9 @@ into a :class:`LaunchConfig`: the worker command and the launch *target*, one of
 * a :class:`StaticRendezvous` (torchrun's ``static`` backend);
 * :class:`Standalone`: a ``file://`` rendezvous in a directory the launcher creates.
 
-torchrun's options without a rendezvous of their own, and what they do here:
-
-* ``--node-rank R``, ``--master-addr A``, ``--master-port P``: as in torchrun,
-  with the *static* rendezvous (``--rdzv-backend static``, or none of
-  ``--rdzv``/``--standalone``/``--rdzv-backend`` given: torchrun's default) the
-  node ranks are fixed, node rank 0's agent serves a TCP store at ``A:P`` and
-  the workers get ``MASTER_ADDR=A``/``MASTER_PORT=P`` and reuse that store
-  (``TORCHELASTIC_USE_AGENT_STORE=True``). A static job of one node without a
-  port runs like ``--standalone`` (torchrun does the same). With an elastic
-  rendezvous, ``--master-port`` is the ``MASTER_PORT`` the workers get (group
-  rank 0 binds it; no new port is picked if it is taken), and ``--master-addr``
-  the ``MASTER_ADDR`` they get, on a one-node job only (in a multi-node job
-  group rank 0 changes between rounds and publishes its own address:
-  ``--local-addr``). ``--node-rank`` is refused there unless it is the only
-  possible one (0 of 1 node): an elastic rendezvous assigns node ranks.
-* ``--start-method spawn|fork|forkserver``: accepted; it changes nothing,
-  because the workers are always new processes (``fork`` + ``exec`` of the
-  program, in their own session), which is also what torchrun does for a
-  script, a module (``-m``) or an executable (``--no-python``).
-* ``--run-path``: each worker is a new Python that runs SCRIPT with
-  ``runpy.run_path(SCRIPT, run_name="__main__")`` (torchrun runs it that way in
-  a process of its own, too).
+What each torchrun option does here, and where it differs from torchrun, is the
+parity table in ``docs/torchrun.md`` (static mode: ``--node-rank``/``--master-addr``/
+``--master-port``; ``--start-method``; ``--run-path``).
 """
 
 from __future__ import annotations
