@@ -31,6 +31,7 @@ from typing import Any, Mapping, Union
 
 from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.plugins import parse_backend_url
+from rdzv_core.torchrun import HANDLER_PREFIX
 from rdzv_core.url import RendezvousURL, parse_netloc, redact_text, validate_run_id
 
 from .api import DEFAULT_ROLE
@@ -282,7 +283,8 @@ def _mode(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, st
     """Which rendezvous the options ask for: ``(mode, url)``.
 
     ``mode`` is ``"standalone"``, ``"url"`` (``--rdzv`` or ``RDZV_URL``; ``url`` is
-    set), ``"backend"`` (``--rdzv-backend`` with endpoint and id) or ``"static"``.
+    set), ``"backend"`` (``--rdzv-backend`` with endpoint and id) or ``"static"`` (also when
+    no rendezvous is named: torchrun's default).
     """
     parts = [args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id]
     modes = [name for name, used in (("--standalone", args.standalone), ("--rdzv", args.rdzv is not None),
@@ -303,10 +305,7 @@ def _mode(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, st
         return ("static" if args.rdzv_backend == STATIC_BACKEND else "backend"), None
     if environ.get(URL_ENV):
         return "url", environ[URL_ENV]
-    if any(x is not None for x in (args.node_rank, args.master_addr, args.master_port)):
-        return "static", None  # torchrun's default backend
-    raise ConfigError("rendezvous", None, f"give --rdzv URL (or env {URL_ENV}), --rdzv-backend/--rdzv-endpoint/"
-                      "--rdzv-id, --standalone, or --node-rank/--master-addr/--master-port (static)")
+    return "static", None  # torchrun's default backend (one node without a port: standalone)
 
 
 def _host(option: str, text: str) -> str:
@@ -516,6 +515,7 @@ def _backend_url(backend: str, endpoint: str, run_id: str) -> tuple[str, Rendezv
     """
     if not _SCHEME.fullmatch(backend):
         raise ConfigError("--rdzv-backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
+    backend = backend.removeprefix(HANDLER_PREFIX)  # torchrun's name of the same backend: rdzv-redis
     try:
         validate_run_id(run_id)
     except InvalidURLError as exc:

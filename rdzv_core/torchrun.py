@@ -48,10 +48,13 @@ from .url import RendezvousURL, parse_netloc, parse_path, validate_run_id
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "etcd",
-           "etcd_v3", "redis", "file", "memory"]
+__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES",
+           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "file", "memory"]
 
 log = logging.getLogger(__name__)
+
+#: The prefix of the handler names registered for torchrun (``rdzv-redis`` is the ``redis`` backend).
+HANDLER_PREFIX = "rdzv-"
 
 #: The run id torchrun passes when ``--rdzv-id`` is not given.
 TORCH_DEFAULT_RUN_ID = "none"

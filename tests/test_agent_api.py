@@ -325,6 +325,24 @@ def test_url_from_environment(script):
     assert c.url.redacted() == "file:///d/run?min_nodes=1&max_nodes=1"
 
 
+def test_no_rendezvous_options_mean_torchruns_default_static_rendezvous(script):
+    """``rdzv-run train.py`` runs as ``torchrun train.py`` does: torchrun's default static rendezvous, which
+    for one node without a port is a standalone job; ``--nnodes 2`` meets at 127.0.0.1:29500."""
+    assert config([script]).standalone
+    c = config(["--nnodes", "2", "--node-rank", "1", script])
+    assert (c.static.master_addr, c.static.master_port, c.static.node_rank, c.static.nnodes) == ("127.0.0.1", 29500,
+                                                                                                 1, 2)
+    assert config(["--nnodes", "2", script]).static.node_rank == 0
+
+
+def test_torchruns_handler_names_are_the_backends(script):
+    """``--rdzv-backend rdzv-redis`` (the name torchrun knows this project's handler by) is ``redis``."""
+    c = config(["--rdzv-backend", "rdzv-redis", "--rdzv-endpoint", "h:1", "--rdzv-id", "job", script])
+    assert c.url.redacted() == "redis://h:1/job?min_nodes=1&max_nodes=1"
+    c = config(["--rdzv-backend", "rdzv-etcd-v3", "--rdzv-endpoint", "h:1", "--rdzv-id", "job", script])
+    assert c.url.redacted().startswith("etcd-v3://h:1/job")
+
+
 def test_module_and_no_python(script, tmp_path):
     c = config(["--standalone", "-m", "pkg.mod", "a"])
     assert c.program_args == ["-u", "-m", "pkg.mod", "a"] and c.standalone
@@ -339,7 +357,6 @@ def test_module_and_no_python(script, tmp_path):
     "argv, field",
     [
         (["--standalone", "--rdzv", "file:///d/r", "S"], "rendezvous"),
-        (["S"], "rendezvous"),
         (["--rdzv-backend", "etcd", "S"], "--rdzv-endpoint"),
         (["--standalone", "--nnodes", "2", "S"], "--nnodes"),
         (["--standalone", "-m", "--no-python", "x"], "-m"),
