@@ -41,13 +41,13 @@ DEFAULT_TIMEOUT = 60.0
 
 
 def port_from_env(environ: Mapping[str, str]) -> int | None:
-    """The port in ``TORCHELASTIC_HEALTH_CHECK_PORT``, or ``None`` when unset.
+    """The port in ``TORCHELASTIC_HEALTH_CHECK_PORT``, or ``None`` when unset or empty (as torch: no server).
 
     Raises:
         ConfigError: not an integer 1..65535 (torch logs and serves nothing instead).
     """
     raw = environ.get(PORT_ENV)
-    if raw is None:
+    if raw is None or not raw.strip():
         return None
     try:
         port = int(raw.strip())

@@ -161,11 +161,18 @@ def run_launcher(env: dict[str, str], tmp_path) -> subprocess.CompletedProcess[s
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "70000", ""])
+@pytest.mark.parametrize("value", ["abc", "0", "70000", "-"])
 def test_bad_port_is_a_usage_error_naming_the_variable(tmp_path, value) -> None:
     done = run_launcher({PORT_ENV: value}, tmp_path)
     assert done.returncode == 2, done.stderr
     assert PORT_ENV in done.stderr and repr(value) in done.stderr
+
+
+def test_an_empty_port_is_no_health_check_as_in_torch(tmp_path) -> None:
+    """An empty ``TORCHELASTIC_HEALTH_CHECK_PORT`` means unset (torchrun ignores it too), like the empty
+    ``TORCHELASTIC_ENABLE_FILE_TIMER`` and stuck-check timeout; it was exit 2."""
+    done = run_launcher({PORT_ENV: ""}, tmp_path)
+    assert done.returncode == 0, done.stderr
 
 
 def test_bad_timeout_is_a_usage_error_naming_the_variable(tmp_path) -> None:
