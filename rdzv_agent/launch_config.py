@@ -241,6 +241,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
     min_nodes, max_nodes = nnodes if nnodes is not None else (None, None)
     program, program_args = _worker_command(args, environ)
     load_logs_specs(args.logs_specs)  # a bad --logs-specs fails here, before the rendezvous
+    _check_local_ranks(args)
     if args.virtual_local_rank:
         check_virtual_local_rank(environ, args.nproc_per_node)
     numa_cpus = numa_plan(args.numa_binding, args.nproc_per_node) if args.numa_binding is not None else None
@@ -277,6 +278,24 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         event_log_handler=getattr(args, "event_log_handler", "null"),
         metrics_handler=getattr(args, "metrics_handler", None),
     )
+
+
+def _check_local_ranks(args: argparse.Namespace) -> None:
+    """``--local-ranks-filter``, ``--redirects`` and ``--tee`` name only local ranks this node has.
+
+    torch accepts any rank there, so a typo silently hides every worker's output.
+
+    Raises:
+        ConfigError: naming the option (or its ``PET_*`` variable) and the value.
+    """
+    count = args.nproc_per_node
+    for option, ranks in (("--local-ranks-filter", args.local_ranks_filter or ()),
+                          ("--redirects", args.redirects if isinstance(args.redirects, dict) else ()),
+                          ("--tee", args.tee if isinstance(args.tee, dict) else ())):
+        beyond = sorted(r for r in ranks if r >= count)
+        if beyond:
+            raise ConfigError(_shown(args, option), ",".join(map(str, beyond)),
+                              f"no such local rank: this node runs {count} worker(s), local ranks 0..{count - 1}")
 
 
 def _mode(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, str | None]:

@@ -258,6 +258,8 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
         )
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes
+        if isinstance(exc, OSError) and config.log_dir is not None:
+            return _error(f"--log-dir {config.log_dir!r}: {exc.strerror or exc}")
         return _error(str(exc))
 
     if config.metrics_handler is not None:

@@ -175,6 +175,11 @@ def test_logs_specs_default_is_torchs(run, tmp_path) -> None:
     (["--local_ranks_filter", ""], {"PET_LOCAL_RANKS_FILTER": "1;2"}, None),  # the flag wins: no error
     ([], {"PET_LOCAL_RANKS_FILTER": "-1"}, "PET_LOCAL_RANKS_FILTER"),
     (["--logs-specs", f"missing{uuid.uuid4().hex[:6]}"], {}, "--logs-specs"),
+    # a local rank this node does not have (torch accepts it: the typo hides every worker's output)
+    (["--local-ranks-filter", "5"], {}, "--local-ranks-filter"),
+    (["--tee", "5:1"], {}, "--tee"),
+    (["--redirects", "0:1,3:2"], {}, "--redirects"),
+    ([], {"PET_LOCAL_RANKS_FILTER": "4"}, "PET_LOCAL_RANKS_FILTER"),
 ])
 def test_bad_log_options_fail_fast_naming_the_option(run, flags, env, named) -> None:
     code, _, err = run(*flags, nproc=1, env=env)

@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import textwrap
 
 import pytest
@@ -154,3 +156,13 @@ def test_numa_binding_binds_each_worker_with_numactl(mode, procs, tmp_path):  # 
     elif len(nodes) == 1:
         assert cpus == {"0.json": allowed, "1.json": allowed}
 
+
+
+@pytest.mark.parametrize("log_dir", ["/proc/no-such-dir", "/etc/passwd"])
+def test_a_log_dir_that_cannot_be_made_is_a_usage_error_naming_the_flag(log_dir, tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("pass\n")
+    done = subprocess.run([sys.executable, "-m", "rdzv_agent", "--standalone", "--log-dir", log_dir, str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "--log-dir" in done.stderr or "log_dir" in done.stderr, done.stderr
