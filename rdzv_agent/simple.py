@@ -439,9 +439,9 @@ class SimpleElasticAgent(ElasticAgent):
             elif state == WorkerState.HEALTHY:
                 waiting = self._num_nodes_waiting()
                 self._beat("monitor")
-                if waiting > 0 and self._monitor_workers(group).state != WorkerState.HEALTHY:
-                    continue  # the workers failed or finished meanwhile: that, not a membership change
                 if waiting > 0:
+                    if self._monitor_workers(group).state != WorkerState.HEALTHY:
+                        continue  # the workers failed or finished meanwhile: that, not a membership change
                     self._membership_restarts += 1
                     log.info("[%s] num_nodes_waiting=%d (nodes waiting to join, or this node's round is gone; "
                              "group_rank=%s); restarting the group", role, waiting, group.group_rank)
