@@ -145,7 +145,6 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._attempt_dir: str | None = None
         self._procs: dict[int, WorkerProcess] = {}
         self._global_ranks: dict[int, int] = {}
-        self._starts = 0
         self._exited = threading.Event()
         self._virtual_local_rank = virtual_local_rank
         self._numa_cpus = dict(numa_cpus or {})
@@ -208,7 +207,6 @@ class LocalElasticAgent(SimpleElasticAgent):
             OSError: a worker could not be started (the others are stopped).
         """
         spec = worker_group.spec
-        self._starts += 1
         self._exited.clear()
         self._procs = {}
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
