@@ -272,6 +272,59 @@ def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_i
     assert time.monotonic() - t0 >= TTL  # waited out the stall, did not destroy at first sight
 
 
+class _Hooked:
+    """A real client with hooks: ``before_add(key)`` and ``before_compare_and_delete(key)`` run first."""
+
+    def __init__(self, kv: KVBackend, **hooks: Callable[[str], None]) -> None:
+        self._kv, self._hooks = kv, hooks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._kv, name)
+
+    def add(self, key: str, delta: int) -> int:
+        self._hooks.get("before_add", lambda _: None)(key)
+        return self._kv.add(key, delta)
+
+    def compare_and_delete(self, key: str, revision: int) -> None:
+        self._hooks.get("before_compare_and_delete", lambda _: None)(key)
+        self._kv.compare_and_delete(key, revision)
+
+
+def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_factory, run_id) -> None:
+    """B's confirmation is held back past keep_alive_ttl, so A, confirmed, finds the frozen round stalled
+    and compare-and-deletes it; just before A's delete reaches the backend, B confirms and makes the round
+    final. Expected: A's delete loses the race and A keeps the final round (one version, ranks 0 and 1).
+    Before the fix A gave the round up anyway and deleted its keep-alive key, which destroyed B's round
+    too, and waited alone in the next one (seen in CI over etcd-v3)."""
+    keys = RunKeys("torchelastic/p2p", run_id)
+    release, held = threading.Event(), threading.Event()
+    b_holder: list[Agent] = []
+
+    def hold_confirmation(key: str) -> None:
+        if key.endswith("/confirmed") and not release.is_set():
+            held.set()
+            release.wait(30)
+
+    def let_b_finish_first(key: str) -> None:
+        if key == keys.round_record and not release.is_set():
+            release.set()
+            b_holder[0].done.wait(30)
+
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
+    a = Agent(_Hooked(kv_factory(), before_compare_and_delete=let_b_finish_first), run_id, params)  # type: ignore[arg-type]
+    b = Agent(_Hooked(kv_factory(), before_add=hold_confirmation), run_id, params)  # type: ignore[arg-type]
+    b_holder.append(b)
+    try:
+        a.start(), b.start()
+        results = _wait_all([a, b], timeout=30)
+        _assert_round(results, 2)
+        assert release.is_set() and held.is_set(), "the race was not staged: A never tried to destroy the round"
+    finally:
+        release.set()
+        for agent in (a, b):
+            agent.rdzv.leave()
+
+
 def test_leaving_member_lets_others_reform_promptly(agents) -> None:
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
     r1 = _wait_all(group)

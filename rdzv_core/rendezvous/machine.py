@@ -269,8 +269,9 @@ class RoundMachine:
             self._progress("joining", version, joined, deadline)
             if joined >= self.params.min_nodes and record.last_call is None:
                 if stalled_at == entry.revision:
-                    self._destroy(entry, f"round {version} stalled with {joined} nodes and no last-call owner")
-                    raise Retry("stalled round destroyed")
+                    if self._destroy(entry, f"round {version} stalled with {joined} nodes and no last-call owner"):
+                        raise Retry("stalled round destroyed")
+                    continue  # the record moved on first: read it again
                 stalled_at = entry.revision
             else:
                 stalled_at = None
@@ -325,13 +326,15 @@ class RoundMachine:
         ``keep_alive_ttl`` seconds on this node's monotonic clock.
 
         Raises:
-            Retry: the round was destroyed (by this node or another).
+            Retry: this node destroyed the round (it returns if the record changed first).
         """
         confirmed = self._counter(self.keys.confirmed(record.version, record.id))
         if self._stall.same_for((entry.key, entry.revision, confirmed)) >= self.params.keep_alive_ttl:
-            self._destroy(entry, f"round {record.version} stalled while frozen: {confirmed} of "
-                                 f"{record.participants} members confirmed")
-            raise Retry("stalled frozen round destroyed")
+            if self._destroy(entry, f"round {record.version} stalled while frozen: {confirmed} of "
+                                    f"{record.participants} members confirmed"):
+                raise Retry("stalled frozen round destroyed")
+            # the record moved on first (the last member confirmed, or another node destroyed it): the
+            # caller reads it again; giving the round up here would leave a round that just became final
 
     def _wait_as_late_node(self, entry: Entry, record: RoundRecord, deadline: float) -> float:
         """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed (after
@@ -420,13 +423,18 @@ class RoundMachine:
                 continue
         raise Deadline()
 
-    def _destroy(self, entry: Entry, reason: str) -> None:
-        """Compare-and-delete the round record at ``entry``'s revision (someone else may have first)."""
+    def _destroy(self, entry: Entry, reason: str) -> bool:
+        """Compare-and-delete the round record at ``entry``'s revision.
+
+        Returns:
+            ``True`` if this call deleted it; ``False`` if the record had changed or gone first.
+        """
         try:
             self.kv.compare_and_delete(self.keys.round_record, entry.revision)
-            self._log(logging.INFO, "destroyed the round: %s", reason)
         except (CompareFailedError, KeyNotFoundError):
-            pass
+            return False
+        self._log(logging.INFO, "destroyed the round: %s", reason)
+        return True
 
     def _counter(self, key: str) -> int:
         """The counter at ``key`` (0 if absent); a corrupt one is a :class:`RendezvousStateError`."""
