@@ -24,9 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
 
-from rdzv_core.errors import ConfigError
-
 from .api import WorkerFailure
+from .health import positive_seconds
 from .progress import DUMP_SIGNAL, FILE_ENV, STACK_ENV
 
 __all__ = ["HangWatch", "ProgressMonitor", "Publisher", "WorkerHang", "dump_stacks", "interval_from_env",
@@ -50,15 +49,7 @@ def interval_from_env(environ: Mapping[str, str]) -> float:
         ConfigError: not a finite number > 0.
     """
     raw = environ.get(INTERVAL_ENV)
-    if raw is None or not raw.strip():
-        return DEFAULT_INTERVAL
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not 0 < value < math.inf:
-        raise ConfigError(INTERVAL_ENV, raw, "expected a finite number of seconds > 0")
-    return value
+    return DEFAULT_INTERVAL if raw is None or not raw.strip() else positive_seconds(INTERVAL_ENV, raw)
 
 
 class WorkerHang(WorkerFailure):

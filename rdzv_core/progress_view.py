@@ -105,7 +105,7 @@ def render(view: Mapping[str, Any], limit: int = 20) -> list[str]:
         age = row["keep_alive_age"]
         flags = (["HUNG"] if row["hung"] else []) + row["straggler"]
         lines.append(f"  {row['rank']:>5}  {row['host'][:20]:<20} {row['step']:>10} {row['since']:>7.1f}s "
-                     f"{'-' if age is None else f'{age:.1f}s':>10}  {'; '.join(flags)}")
+                     f"{'-' if age is None else f'{age:.1f}s':>10}  {'; '.join(flags)}".rstrip())
     if len(rows) > limit:
         lines.append(f"  ... {len(rows) - limit} more node(s), none worse than those above")
     return lines
