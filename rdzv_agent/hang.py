@@ -289,8 +289,8 @@ class HangWatch:
         return hung
 
     def _write(self, workers: dict[int, tuple[int, float]]) -> None:
-        assert self._publish is not None  # the publisher exists only with it
-        self._publish(workers, ttl=3 * self._interval, hang_timeout=self.monitor.hang_timeout)
+        if self._publish is not None:  # the publisher exists only with it
+            self._publish(workers, ttl=3 * self._interval, hang_timeout=self.monitor.hang_timeout)
 
     def failures(self, hung: list[int], workers: Mapping[int, tuple[int, int, str | None]],
                  role: str) -> dict[int, Exception]:
