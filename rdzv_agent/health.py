@@ -65,14 +65,21 @@ def timeout_from_env(environ: Mapping[str, str]) -> float:
         ConfigError: not a finite number > 0.
     """
     raw = environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT
+    return DEFAULT_TIMEOUT if raw is None else positive_seconds(TIMEOUT_ENV, raw)
+
+
+def positive_seconds(name: str, raw: str) -> float:
+    """The value ``raw`` of variable ``name`` as seconds.
+
+    Raises:
+        ConfigError: not a finite number > 0 (names the variable and the value).
+    """
     try:
         value = float(raw)
     except ValueError:
         value = math.nan
     if not 0 < value < math.inf:
-        raise ConfigError(TIMEOUT_ENV, raw, "expected a finite number of seconds > 0")
+        raise ConfigError(name, raw, "expected a finite number of seconds > 0")
     return value
 
 

@@ -10,7 +10,8 @@
              [--start-method M] [--local-addr A] [--log-level L] [--signals-to-handle SIG,...]
              [--virtual-local-rank] [--numa-binding MODE] [--shutdown-timeout S] [--exit-barrier-timeout S]
              [--local-ranks-filter R,...] [--duplicate-stdout-filters S,...] [--duplicate-stderr-filters S,...]
-             [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] SCRIPT [ARGS...]
+             [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] [--hang-timeout S]
+             [--metrics-port PORT] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -48,10 +49,13 @@ __all__ = [
     "build_parser", "parse_args", "strip_rdzv_options", "RDZV_OPTIONS", "URL_ENV", "START_METHODS", "RUN_PATH_CODE",
     "DEFAULT_MONITOR_INTERVAL", "DEFAULT_SHUTDOWN_TIMEOUT", "SHUTDOWN_TIMEOUT_ENV", "DEFAULT_EXIT_BARRIER_TIMEOUT",
     "STATIC_BACKEND", "STATIC_DEFAULT_ADDR", "STATIC_DEFAULT_PORT", "STATIC_DEFAULT_RUN_ID", "STATIC_DEFAULT_TIMEOUT",
+    "METRICS_PORT_ENV",
 ]
 
 #: Environment variable that may hold the rendezvous URL (instead of ``--rdzv``).
 URL_ENV = "RDZV_URL"
+#: Environment variable that may give ``--metrics-port``.
+METRICS_PORT_ENV = "RDZV_METRICS_PORT"
 
 DEFAULT_MONITOR_INTERVAL = 0.5
 #: torchrun's ``--shutdown-timeout`` default and the variable that overrides it.
@@ -294,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--metrics-handler", pet=False, type=_metrics_handler, default=None, metavar="SPEC",
         help="torch metrics handler for the agent's 'torchelastic' metrics: console, null or MODULE:ATTR (a "
              "MetricHandler, or a class/function returning one); default: leave metrics.configure(...) as it is")
+    opt("--hang-timeout", pet=False, type=_seconds, default=None, metavar="S",
+        help="a worker that reported progress (rdzv_agent.progress.step, or $RDZV_PROGRESS_FILE) and then none for "
+             "S seconds is hung: its stacks are dumped to the log, and it counts as a failure (a restart is spent; "
+             "default: off)")
+    opt("--metrics-port", pet=False, type=_port, default=None, metavar="PORT",
+        help=f"serve Prometheus metrics on this port (all interfaces; default: env {METRICS_PORT_ENV}, else off)")
     opt("--log-dir", default=None, metavar="DIR", help="directory for worker logs (default: a new temp dir)")
     opt("--redirects", "-r", type=_std("redirects"), default=Std.NONE, metavar="V",
         help="streams to log files only: 0 none, 1 stdout, 2 stderr, 3 both, or LOCAL_RANK:V,...")

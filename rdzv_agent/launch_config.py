@@ -46,10 +46,13 @@ from .launch_args import (
     STATIC_DEFAULT_PORT,
     STATIC_DEFAULT_RUN_ID,
     STATIC_DEFAULT_TIMEOUT,
+    METRICS_PORT_ENV,
     URL_ENV,
     _non_negative_int,
+    _port,
     _rdzv_conf,
 )
+from .hang import interval_from_env
 from .logs import PREFIX_TEMPLATE_ENV, load_logs_specs
 from .ops import OpsHooks, ops_from_env
 from .streams import Std
@@ -176,6 +179,13 @@ class LaunchConfig:
     event_log_handler: str = "null"
     #: ``--metrics-handler``: a torch ``MetricHandler`` for the ``torchelastic`` group, or ``None`` (left as is).
     metrics_handler: Any = None
+    # issue 18: progress, hangs and metrics
+    #: ``--hang-timeout``: seconds without progress before a worker is hung (``None``: off).
+    hang_timeout: float | None = None
+    #: ``--metrics-port`` (or ``RDZV_METRICS_PORT``): the Prometheus port, or ``None``.
+    metrics_port: int | None = None
+    #: ``RDZV_PROGRESS_INTERVAL``: seconds between two writes of the workers' progress to the backend.
+    progress_interval: float = 5.0
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -277,7 +287,25 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         ops=ops_from_env(environ),
         event_log_handler=getattr(args, "event_log_handler", "null"),
         metrics_handler=getattr(args, "metrics_handler", None),
+        hang_timeout=getattr(args, "hang_timeout", None),
+        metrics_port=_metrics_port(getattr(args, "metrics_port", None), environ),
+        progress_interval=interval_from_env(environ),
     )
+
+
+def _metrics_port(given: int | None, environ: Mapping[str, str]) -> int | None:
+    """``--metrics-port``, else ``RDZV_METRICS_PORT`` (empty: unset), else ``None``.
+
+    Raises:
+        ConfigError: the variable is not a TCP port (names it and the value).
+    """
+    raw = environ.get(METRICS_PORT_ENV, "").strip()
+    if given is not None or not raw:
+        return given
+    try:
+        return _port(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(METRICS_PORT_ENV, raw, str(exc)) from None
 
 
 def _check_local_ranks(args: argparse.Namespace) -> None:

@@ -51,7 +51,7 @@ import signal
 import sys
 import tempfile
 import urllib.parse
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from torch.distributed.elastic.metrics import api as metrics
 from torch.distributed.elastic.rendezvous.api import (
@@ -76,6 +76,9 @@ from .report import Reporter, Summary
 from .simple import AgentEvent
 from .worker_options import SIGNALS_ENV
 from .telemetry import METRIC_GROUP
+
+if TYPE_CHECKING:
+    from .prometheus import AgentMetrics
 
 __all__ = ["main", "worker_environment", "EXIT_FAILURE", "EXIT_USAGE"]
 
@@ -166,11 +169,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = health.start_server(config.ops.health_check_port, config.ops.health_check_timeout, heartbeat)
     except OSError as exc:
         return _error(str(exc))
+    try:  # before the handler: its backend requests are then timed
+        prom = _metrics_server(config.metrics_port)
+    except OSError as exc:
+        if server is not None:
+            server.stop()
+        return _error(f"--metrics-port {config.metrics_port}: {exc.strerror or exc}")
     standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if isinstance(target, Standalone) else ""
     try:
         return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target,
-                       heartbeat)
+                       heartbeat, prom)
     finally:
+        if prom is not None:
+            prom.stop()
         if server is not None:
             server.stop()
         if standalone_dir:
@@ -210,7 +221,23 @@ class _OpenError(Exception):
     """The backend could not be opened (the message is safe to show)."""
 
 
-def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, heartbeat: health.Heartbeat) -> int:
+def _metrics_server(port: int | None) -> AgentMetrics | None:
+    """``--metrics-port``'s Prometheus server (:mod:`rdzv_agent.prometheus`), or ``None``.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    if port is None:
+        return None
+    from .prometheus import AgentMetrics  # prometheus_client only when asked for
+
+    prom = AgentMetrics()
+    prom.serve(port)
+    return prom
+
+
+def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, heartbeat: health.Heartbeat,
+            prom: AgentMetrics | None = None) -> int:
     reporter = Reporter()
     try:
         handler, shown_url, shown = _open_rendezvous(config, target, reporter, heartbeat)
@@ -232,6 +259,8 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
         )
 
         def listener(event: AgentEvent) -> None:
+            if prom is not None:
+                prom.on_event(event)
             if event.kind == "rendezvous":
                 reporter.waiting(handler.get_run_id(), shown["min_nodes"], shown["max_nodes"], shown["timeout"],
                                  event.data["attempt"])
@@ -255,7 +284,10 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
             virtual_local_rank=config.virtual_local_rank, numa_cpus=config.numa_cpus,
             ops=config.ops, heartbeat=heartbeat,
+            hang_timeout=config.hang_timeout, progress_interval=config.progress_interval,
         )
+        if prom is not None:
+            prom.attach(handler.get_run_id(), handler.get_backend(), lambda: agent.progress)
     except (ValueError, OSError) as exc:  # a bad field, or a --log-dir that cannot be created
         _release(handler)  # a usage error here must not end the job for the other nodes
         if isinstance(exc, OSError) and config.log_dir is not None:

@@ -27,6 +27,8 @@ environment variables:
 ``CUDA_VISIBLE_DEVICES``       with ``virtual_local_rank``: the worker's own device, and
                                ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.worker_options.local_rank_env`)
 ``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.watchdog`)
+``RDZV_PROGRESS_FILE``         where the worker reports its step (:mod:`rdzv_agent.progress`)
+``RDZV_STACK_FILE``            where its Python stacks go on a hang (:mod:`rdzv_agent.hang`)
 =============================  =====================================================
 
 With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
@@ -55,6 +57,8 @@ from rdzv_core.errors import ConfigError
 
 from . import master, worker_options
 from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .hang import DEFAULT_INTERVAL as PROGRESS_INTERVAL
+from .hang import HangWatch
 from .health import Heartbeat
 from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
 from .ops import OpsHooks
@@ -98,6 +102,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
         ops: the watchdog and stuck-process settings (default: both off); the launcher
             reads them from torch's variables (:func:`rdzv_agent.ops.ops_from_env`).
+        hang_timeout: seconds a worker that reported progress may go without before it counts as
+            hung (stacks dumped, a failure: :mod:`rdzv_agent.hang`); ``None``: no check.
+        progress_interval: seconds between two writes of the workers' progress to the backend.
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
@@ -124,6 +131,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         numa_cpus: Mapping[int, frozenset[int]] | None = None,
         ops: OpsHooks | None = None,
         heartbeat: Heartbeat | None = None,
+        hang_timeout: float | None = None,
+        progress_interval: float = PROGRESS_INTERVAL,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -148,6 +157,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._exited = threading.Event()
         self._virtual_local_rank = virtual_local_rank
         self._numa_cpus = dict(numa_cpus or {})
+        self._hangs = HangWatch(spec.rdzv_handler, hang_timeout, progress_interval)
 
     @property
     def log_dir(self) -> str:
@@ -215,6 +225,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._watchdog.start(spec.rdzv_handler.get_run_id(), envs.values())
         dest = self._logs_specs.reify(envs)
         self._attempt_dir = os.path.dirname(dest.filtered_stdout) or None
+        self._hangs.prepare(envs, {lr: os.path.dirname(path) if path and path != os.devnull else None
+                                   for lr, path in dest.error_files.items()})
         filters = self._open_line_filters(dest)
         try:
             for worker in worker_group.workers:
@@ -225,6 +237,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         except OSError:
             self._stop_workers(worker_group)
             raise
+        self._hangs.started({lr: (self._global_ranks[lr], proc.pid) for lr, proc in self._procs.items()}, envs)
         return {lr: proc.pid for lr, proc in self._procs.items()}
 
     def _open_line_filters(self, dest: LogsDest) -> tuple[LineFilter | None, LineFilter | None]:
@@ -244,6 +257,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         The watchdog stops first, as torch's ``LocalElasticAgent._shutdown``.
         """
         self._watchdog.stop()
+        self._hangs.stopping()
         stop_processes(list(self._procs.values()), sig, self._stop_grace)
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
@@ -254,8 +268,9 @@ class LocalElasticAgent(SimpleElasticAgent):
     def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
         try:
             return super().run(role)
-        finally:  # the workers are done: remove the watchdog's pipe
+        finally:  # the workers are done: remove the watchdog's pipe and the progress files
             self._watchdog.stop()
+            self._hangs.close()
 
     def _wait(self, seconds: float) -> None:
         self._exited.wait(seconds)
@@ -287,7 +302,23 @@ class LocalElasticAgent(SimpleElasticAgent):
             return MonitorResult(WorkerState.FAILED, exceptions=failures)
         if codes and all(code == 0 for code in codes.values()):
             return MonitorResult(WorkerState.SUCCEEDED, ret_vals={self._global_ranks[lr]: 0 for lr in codes})
-        return self._check_stuck()
+        stuck = self._check_stuck()
+        return stuck if stuck.state != WorkerState.HEALTHY else self._check_hung()
+
+    def _check_hung(self) -> MonitorResult:
+        """FAILED, restartable, if a worker made no progress for ``hang_timeout`` s (:mod:`.hang`: stacks dumped)."""
+        running = {lr: proc for lr, proc in self._procs.items() if proc.poll() is None}
+        hung = self._hangs.check(set(running))
+        if not hung:
+            return MonitorResult(WorkerState.HEALTHY)
+        workers = {lr: (self._global_ranks[lr], proc.pid, proc.stderr_path) for lr, proc in running.items()}
+        return MonitorResult(WorkerState.FAILED, exceptions=self._hangs.failures(hung, workers,
+                                                                                 self._worker_group.spec.role))
+
+    @property
+    def progress(self) -> dict[int, tuple[int, int, float]]:
+        """The workers' reported progress: global rank -> ``(local rank, step, Unix seconds)`` (:mod:`.hang`)."""
+        return self._hangs.monitor.snapshot()
 
     def _check_stuck(self) -> MonitorResult:
         """UNHEALTHY, not restartable, if a running worker stayed in ``D`` state too long (:mod:`.stuck`)."""

@@ -55,6 +55,7 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
+from .hang import WorkerHang
 from .health import Heartbeat
 from .telemetry import AgentTelemetry, prof, profiled
 
@@ -87,7 +88,7 @@ class AgentEvent:
         data: details by kind — ``rendezvous``: ``attempt``; ``rendezvous_done``:
             ``group_rank``, ``group_world_size``, ``world_size``, ``global_ranks``,
             ``master_addr``, ``master_port``; ``started``: ``pids``;
-            ``restarting``: ``reason`` (``"failed"``, ``"membership"``,
+            ``restarting``: ``reason`` (``"failed"``, ``"hang"`` (a failure: no progress), ``"membership"``,
             ``"port_in_use"``, ``"no_master"``), ``remaining_restarts``, ``failures`` or
             ``nodes_waiting``; ``exit_barrier``: ``timeout`` (about to wait);
             ``succeeded``: ``results``, ``exit_barrier`` (its outcome); ``failed``: ``failures``,
@@ -494,7 +495,8 @@ class SimpleElasticAgent(ElasticAgent):
             log.info("[%s] worker group %s; %d/%d restarts left; restarting", spec.role, result.state.name,
                      self._remaining_restarts, spec.max_restarts)
             self._remaining_restarts -= 1
-            self._emit("restarting", reason="failed", remaining_restarts=self._remaining_restarts,
+            hung = any(isinstance(exc, WorkerHang) for exc in failures.values())
+            self._emit("restarting", reason="hang" if hung else "failed", remaining_restarts=self._remaining_restarts,
                        failures=failures)
             self._restart_workers(group)
         else:

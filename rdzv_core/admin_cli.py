@@ -4,14 +4,15 @@
 
     rdzv backends [--json]            installed schemes, providing distribution, default port, capabilities
     rdzv status URL [--json]          round version, state, participants, waiting count, closed,
-                                      version counter, and a verdict (below)
+                                      version counter, the nodes' progress (stragglers, hung nodes),
+                                      and a verdict (below); --watch refreshes it
     rdzv close URL [--yes]            close the run (no new rounds)
     rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
     rdzv check URL [--json]           connect, run a short protocol self-test, report latency
 
 Exit codes (:data:`EXIT_CODES`), the same for every command, so that a monitoring
 probe can use ``rdzv status``: 0 healthy / done; 1 unhealthy or not done (status:
-``degraded``, ``corrupt`` or ``absent``; a failed check; a refused confirmation);
+``degraded`` (also: a hung node), ``corrupt`` or ``absent``; a failed check; a refused confirmation);
 2 bad usage (a bad option or URL); 3 the backend is unreachable or did not answer.
 ``status --json`` carries the same verdict in ``"verdict"`` (also when unreachable).
 Errors are one line on stderr saying what to do.
@@ -21,14 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import signal
 import sys
 import time
 import uuid
 from typing import Any, Sequence
 
-from . import RendezvousParams, list_backends, parse_backend_url
+from . import RendezvousParams, list_backends, parse_backend_url, progress, progress_view
 from .errors import (
     BackendUnavailableError,
     ConfigError,
@@ -47,8 +50,9 @@ EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or 
               2: "bad usage (option, URL)", 3: "backend unreachable"}
 
 #: ``rdzv status``'s verdict -> its exit code. ``degraded``: a member of the current round has no live
-#: keep-alive key; ``corrupt``: stored state a round cannot use (``rdzv reset`` clears it); ``absent``:
-#: nothing stored for the run (not started, reset, or a mistyped URL or run id).
+#: keep-alive key, or is hung (no progress within its hang timeout); ``corrupt``: stored state a round
+#: cannot use (``rdzv reset`` clears it); ``absent``: nothing stored for the run (not started, reset,
+#: or a mistyped URL or run id).
 VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
 
 #: How many server endpoints each built-in backend takes (its URL's host list), for ``rdzv backends``.
@@ -105,8 +109,26 @@ def cmd_status(args: argparse.Namespace) -> int:
     ``ROOT/counter/version`` is corrupt (not ASCII decimal) or lower than the round
     record's version (the next round would then reuse the keys of an old one), or the
     round record cannot be read; ``degraded`` when a member of a frozen or final round
-    has no live keep-alive key; ``absent`` when nothing is stored for the run.
+    has no live keep-alive key, or a member is hung (:mod:`rdzv_core.progress_view`);
+    ``absent`` when nothing is stored for the run. ``--watch``: again every ``--interval``
+    seconds (in place on a terminal) until interrupted or ``--count`` views were shown;
+    the exit code is the last view's.
     """
+    shown_views = 0
+    while True:
+        code = _status_once(args, clear=args.watch and sys.stdout.isatty())
+        shown_views += 1
+        if not args.watch or (args.count is not None and shown_views >= args.count):
+            return code
+        try:
+            sys.stdout.flush()
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return code
+
+
+def _status_once(args: argparse.Namespace, clear: bool = False) -> int:
+    """One view of ``rdzv status`` (see :func:`cmd_status`); returns its exit code."""
     try:
         kv, rdzv = _open(args.url)
         with kv:
@@ -114,22 +136,42 @@ def cmd_status(args: argparse.Namespace) -> int:
             state["counter"], shown, problem = _version_counter(kv, rdzv, state)
             for member in state.get("alive", []):
                 _keep_alive_age(kv, rdzv.params.keep_alive_ttl, member)
+            if state.get("status") in (Status.FROZEN.value, Status.FINAL.value):
+                records = progress.read(kv, rdzv.keys, int(state["version"]), state.get("id"))
+                state["progress"] = progress_view.analyse(
+                    records, state.get("alive", []), state.get("participants"), args.hang_timeout,
+                    args.straggler_steps, args.straggler_seconds)
     except (BackendUnavailableError, RendezvousStateError, CorruptEntryError) as exc:
         if args.json:  # a probe reading --json gets the verdict too; main() prints the error line
             verdict = "unreachable" if isinstance(exc, BackendUnavailableError) else "corrupt"
-            print(json.dumps({"verdict": verdict, "error": f"{type(exc).__name__}: {exc}"}, indent=2))
+            print(json.dumps({"verdict": verdict, "error": f"{type(exc).__name__}: {exc}"},
+                             indent=None if args.watch else 2))
         raise
     state["problems"] = [problem] if problem else []
     state["warnings"], degraded = _status_warnings(state)
+    hung = state.get("progress", {}).get("summary", {}).get("hung", [])
+    if hung:
+        state["warnings"].append(f"rank(s) {hung[:20]} of round {state.get('version')} are hung: no progress "
+                                 f"within their hang timeout")
     absent = state.get("status") == "absent" and state.get("counter") is None
-    state["verdict"] = "corrupt" if problem else "degraded" if degraded else "absent" if absent else "healthy"
+    state["verdict"] = "corrupt" if problem else "degraded" if degraded or hung else "absent" if absent else "healthy"
     if args.json:
-        print(json.dumps(state, indent=2, default=str))
+        print(json.dumps(state, indent=None if args.watch else 2, default=str))
     else:
-        _print_status(state, shown)
+        if clear:
+            print("\x1b[H\x1b[2J", end="")
+        rows = _row_limit(args, clear)
+        _print_status(state, shown, rows, rows if args.limit is not None or clear else None)
     if problem:
         print(f"rdzv: {problem}; {RESET_HINT}", file=sys.stderr)
     return VERDICT_EXIT[state["verdict"]]
+
+
+def _row_limit(args: argparse.Namespace, in_place: bool) -> int:
+    """Progress rows to show: ``--limit``, else (in place) what fits the terminal, else 20."""
+    if args.limit is not None:
+        return int(args.limit)
+    return max(5, shutil.get_terminal_size().lines - 16) if in_place else 20
 
 
 def _version_counter(
@@ -201,7 +243,7 @@ def _status_warnings(state: dict[str, Any]) -> tuple[list[str], bool]:
             f"round)"], True
 
 
-def _print_status(state: dict[str, Any], counter: str) -> None:
+def _print_status(state: dict[str, Any], counter: str, limit: int = 20, members_limit: int | None = None) -> None:
     print(f"{'run id':<13} {state['run_id']}")
     print(f"{'state':<13} {state['status']}")
     for key in ("version", "participants", "joined", "waiting"):
@@ -213,8 +255,13 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
         print(f"{'PROBLEM':<13} {problem}")
     for warning in state["warnings"]:
         print(f"{'WARNING':<13} {warning}")
+    if "progress" in state:
+        for line in progress_view.render(state["progress"], limit):
+            print(line)
     now = time.time()
-    for member in state.get("alive", []):
+    members = state.get("alive", [])
+    shown_members = len(members) if members_limit is None else members_limit
+    for member in members[:shown_members]:
         if "corrupt" in member:
             print(f"  {member['key']}: not a keep-alive record: {member['corrupt']}")
             continue
@@ -230,6 +277,8 @@ def _print_status(state: dict[str, Any], counter: str) -> None:
         else:
             alive = f"keep-alive refreshed {kage:.1f} s ago, expires in {left:.1f} s"
         print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; {alive}")
+    if len(members) > shown_members:
+        print(f"  ... {len(members) - shown_members} more member(s)")
 
 
 def cmd_close(args: argparse.Namespace) -> int:
@@ -353,12 +402,51 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("url")
         p.add_argument("--json", action="store_true")
         p.set_defaults(fn=fn)
+        if name == "status":
+            _status_options(p)
     for name, fn, helptext in (("close", cmd_close, "close a run"), ("reset", cmd_reset, "delete a run's state")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")
         p.add_argument("--yes", action="store_true", help="do not ask for confirmation")
         p.set_defaults(fn=fn)
     return parser
+
+
+def _positive(kind: type, allow_zero: bool = False) -> Any:
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if allow_zero else '>'} 0, got {text!r}")
+        return value
+
+    return convert
+
+
+def _status_options(p: argparse.ArgumentParser) -> None:
+    """``rdzv status``'s progress and ``--watch`` options (:mod:`rdzv_core.progress_view`)."""
+    p.add_argument("--hang-timeout", type=_positive(float), default=None, metavar="S",
+                   help="a node whose slowest worker reported no progress for S seconds is hung (verdict degraded; "
+                        "default: the --hang-timeout its agent runs with, else no hang check)")
+    p.add_argument("--straggler-steps", type=_positive(int, allow_zero=True),
+                   default=progress_view.DEFAULT_STRAGGLER_STEPS, metavar="K",
+                   help=f"a node more than K steps behind the median step is a straggler "
+                        f"(default {progress_view.DEFAULT_STRAGGLER_STEPS})")
+    p.add_argument("--straggler-seconds", type=_positive(float, allow_zero=True),
+                   default=progress_view.DEFAULT_STRAGGLER_SECONDS, metavar="T",
+                   help=f"a node whose last report is more than T seconds older than the median node's is a "
+                        f"straggler (default {progress_view.DEFAULT_STRAGGLER_SECONDS:g})")
+    p.add_argument("--watch", action="store_true",
+                   help="show the status again every --interval seconds, in place on a terminal (with --json: one "
+                        "JSON object per line per view), until Ctrl-C")
+    p.add_argument("--interval", type=_positive(float), default=2.0, metavar="S",
+                   help="seconds between views of --watch (default 2)")
+    p.add_argument("--count", type=_positive(int), default=None, metavar="N",
+                   help="with --watch: stop after N views")
+    p.add_argument("--limit", type=_positive(int, allow_zero=True), default=None, metavar="N",
+                   help="nodes listed at most, worst first (default 20; in place: what fits the terminal)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

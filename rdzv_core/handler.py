@@ -36,8 +36,9 @@ from torch.distributed.elastic.events import construct_and_record_rdzv_event
 from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import api as torch_api
 
-from . import errors
+from . import errors, observe, progress
 from .kv import KVBackend
+from .metered import MeteredKV
 from .outage import OutageLog
 from .plugins import parse_backend_url
 from .rendezvous import Progress, Rendezvous, RendezvousParams
@@ -127,6 +128,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
         self._closed_ok = False
         self._waiting_outage = OutageLog(log.log)
+        self._progress_outage = OutageLog(log.log)
         self._rdzv.on_keepalive = self._keep_alive
 
     @classmethod
@@ -147,6 +149,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         params = RendezvousParams.from_query(settings)
         try:
             kv = info.spec.open(parsed)
+            if observe.active():  # metrics are on (rdzv-run --metrics-port): time every request
+                kv = MeteredKV(kv)
         except errors.BackendUnavailable as exc:
             construct_and_record_rdzv_event(run_id=parsed.run_id, message=f"{type(exc).__name__}: {exc}",
                                             node_state=NodeState.FAILED)  # torch's create_handler does
@@ -257,6 +261,26 @@ class RdzvHandler(torch_api.RendezvousHandler):
             return 0
         self._waiting_outage.recovered("run %s: the backend answers the waiting-node check again", self._rdzv.run_id)
         return waiting
+
+    def publish_progress(self, workers: dict[int, tuple[int, float]], ttl: float,
+                         hang_timeout: float | None = None) -> bool:
+        """Write this node's workers' progress (global rank -> ``(step, Unix seconds)``) in its round's
+        progress key with ``ttl`` seconds (:mod:`rdzv_core.progress`, read by ``rdzv status``).
+
+        Returns:
+            whether it was written: ``False`` between rounds, and while the backend is unreachable
+            (one WARNING per outage, never raised: the workers keep running).
+        """
+        current = self._rdzv.current
+        if current is None or self._ended is not None:
+            return False
+        try:
+            progress.publish(self._kv, self._rdzv.keys, current, self._rdzv.node_id, workers, ttl, hang_timeout)
+        except (errors.BackendUnavailable, errors.BackendClosed) as exc:
+            self._progress_outage.failed("run %s: cannot publish the workers' progress: %s", self._rdzv.run_id, exc)
+            return False
+        self._progress_outage.recovered("run %s: the workers' progress is published again", self._rdzv.run_id)
+        return True
 
     def shutdown(self) -> bool:
         """End this node's part in the run *and close the run*, as torch's handlers do.

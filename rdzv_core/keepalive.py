@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from . import observe
 from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
 from .outage import OutageLog
@@ -148,12 +149,15 @@ class KeepAlive:
 
     def _refresh(self) -> float | None:
         """Refresh the key once; return the wait before the next refresh (seconds), ``None`` to end."""
+        started = time.monotonic()
         try:
             self.kv.refresh(self.key, self.ttl)
+            observe.keepalive_refresh(time.monotonic() - started)
             self._outage.recovered("keep-alive refresh of %s works again", self.key)
             self._notify(None)
             return self.interval
         except KeyNotFoundError:
+            observe.keepalive_lapse()
             self.lapsed.set()
             if self.value is None:
                 log.warning("keep-alive key %s lapsed before it was refreshed", self.key)
@@ -163,6 +167,7 @@ class KeepAlive:
         except BackendClosedError:
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
+            observe.keepalive_refresh(time.monotonic() - started, exc)
             wait = random.uniform(0.25, 0.5) * self.interval
             # a server down for a minute is one WARNING line, not hundreds
             self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",

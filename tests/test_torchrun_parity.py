@@ -36,6 +36,8 @@ DIFFERENT_VALUES = {
 RDZV_ONLY = {
     "PYTHONUNBUFFERED": "rdzv-run sets 1 so that a Python under --no-python (a wrapper script) is unbuffered too; "
                         "torchrun relies on python -u, which rdzv-run passes as well",
+    "RDZV_PROGRESS_FILE": "where the worker reports its step (rdzv_agent.progress; torchrun has no progress view)",
+    "RDZV_STACK_FILE": "where the worker's stacks go on a hang (rdzv-run --hang-timeout; torchrun has none)",
 }
 
 DUMP = textwrap.dedent(

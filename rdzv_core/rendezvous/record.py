@@ -10,6 +10,7 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
     ROOT/v_V.ID/waiting         late nodes counted while V is final
     ROOT/v_V.ID/alive/rank_R    keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
     ROOT/v_V.ID/extra/KEY       extra data of round V
+    ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.progress)
     ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
 
 ``ID`` is the round record's random id (:func:`round_segment`).
