@@ -60,10 +60,10 @@ def job(site, tmp_path):
             """One launcher per node host; ``per_host[name]`` is put before ``argv`` on that host."""
             for name in NODES:
                 # gloo picks its interface by resolving the host name, else loopback: name it (docs/networking.md)
-                env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster[name].interface,
-                       **(env or {})}
+                host_env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster[name].interface,
+                            **(env or {})}
                 full = [*(per_host or {}).get(name, []), *argv]
-                self.launchers.append(Launcher(full, str(tmp_path), name, env=env, module=module,
+                self.launchers.append(Launcher(full, str(tmp_path), name, env=host_env, module=module,
                                                prefix=cluster[name].command_prefix))
             return self.launchers
 
