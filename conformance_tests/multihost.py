@@ -3,9 +3,9 @@
 :class:`Cluster` makes H hosts. One *switch* namespace holds a Linux bridge connected to no outside
 interface; each :class:`Host` is a network namespace with loopback up and one veth pair to the bridge,
 its own IPv4 address on a private /24 (the addresses exist only inside these namespaces, so concurrent
-clusters may use the same subnet), its own host name (a UTS namespace per command:
-``unshare --uts`` then ``hostname NAME``) and its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
-``/etc/netns/NS/hosts``), which lists only ``localhost`` unless a test asks for more
+clusters may use the same subnet), its own host name (a UTS namespace per command: ``unshare --uts``,
+then the name written to ``/proc/sys/kernel/hostname``) and its own ``/etc/hosts`` (``ip netns exec``
+bind-mounts ``/etc/netns/NS/hosts``), which lists only ``localhost`` unless a test asks for more
 (``resolve="self"`` / ``"all"`` or :meth:`Host.set_hosts`). Name lookups go nowhere else: each host's
 ``resolv.conf`` names no server reachable from it.
 
@@ -27,7 +27,7 @@ fixtures' teardown and an ``atexit`` hook) kills every process on the hosts, del
 namespaces and their ``/etc/netns`` directories. A new cluster first removes *stale* namespaces:
 those whose creating process is gone (never those of a live run).
 
-Requires Linux, root, ``ip`` (iproute2), ``unshare`` and ``hostname``; :func:`unavailable_reason`
+Requires Linux, root, ``ip`` (iproute2) and ``unshare`` (util-linux); :func:`unavailable_reason`
 says what is missing (the fixtures skip with it). Usage::
 
     with Cluster(["server", "node0", "node1"]) as hosts:
@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, T
 import pytest
 
 from .netns import (ETC_NETNS, NETNS_DIR, PREFIX, MultiHostError, cleanup_stale, in_netns, ip, kill_and_wait,
-                    namespaces, pids_in, remove_namespace, start_ticks, unavailable_reason)
+                    namespaces, pids_in, remove_namespace, start_ticks, unavailable_reason, wait_entered)
 from .servers import Placement
 
 if TYPE_CHECKING:
@@ -113,20 +113,25 @@ class Host:
 
     @property
     def command_prefix(self) -> tuple[str, ...]:
-        """The argv put before a command to run it on this host (network, mount and UTS namespace)."""
+        """The argv put before a command to run it on this host (network, mount and UTS namespace).
+
+        The shell sets the host name with its ``echo`` builtin (no child process) and execs the command.
+        """
         return ("ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.name)
+                'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', self.name)
 
     def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
               stdin: Any = subprocess.DEVNULL, stdout: Any = None, stderr: Any = None,
               start_new_session: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on this host (``env``: the whole environment, default this process's).
 
-        The returned ``Popen``'s pid is the command's own. Other keyword arguments go to ``Popen``.
+        Returns once the process is on the host (in its network namespace), or has ended. The
+        returned ``Popen``'s pid is the command's own. Other keyword arguments go to ``Popen``.
         """
         proc = subprocess.Popen([*self.command_prefix, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, start_new_session=start_new_session, **kwargs)
         self._started.append(proc)
+        wait_entered(proc.pid, self.netns)  # so that processes(), kill(pid), ... see it at once
         return proc
 
     def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: dict[str, str] | None = None,

@@ -20,8 +20,8 @@ import time
 from typing import Any, Callable, Iterable, TypeVar
 
 __all__ = ["PREFIX", "NETNS_DIR", "ETC_NETNS", "MultiHostError", "unavailable_reason", "ip", "start_ticks",
-           "owner_alive", "namespaces", "ns_inode", "pids_in", "kill_and_wait", "remove_namespace", "cleanup_stale",
-           "in_netns"]
+           "owner_alive", "namespaces", "ns_inode", "pids_in", "wait_entered", "kill_and_wait", "remove_namespace",
+           "cleanup_stale", "in_netns"]
 
 T = TypeVar("T")
 
@@ -31,7 +31,7 @@ NETNS_DIR = "/run/netns"
 ETC_NETNS = "/etc/netns"
 _CLONE_NEWNET = 0x40000000
 _OWNED = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-")
-_TOOLS = ("ip", "unshare", "hostname")
+_TOOLS = ("ip", "unshare")
 
 
 class MultiHostError(RuntimeError):
@@ -90,22 +90,33 @@ def ns_inode(netns: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def _net_of(pid: int | str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(f"/proc/{pid}/ns/net")
+    except OSError:
+        return None  # gone, or a zombie (no namespace links)
+    return st.st_dev, st.st_ino
+
+
 def pids_in(netns: str) -> list[int]:
     """PIDs of the live (non-zombie) processes in network namespace ``netns``."""
     target = ns_inode(netns)
     if target is None:
         return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            st = os.stat(f"/proc/{entry}/ns/net")
-        except OSError:
-            continue  # gone, or a zombie (no namespace links)
-        if (st.st_dev, st.st_ino) == target:
-            pids.append(int(entry))
-    return pids
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _net_of(entry) == target]
+
+
+def wait_entered(pid: int, netns: str, timeout: float = 10.0) -> bool:
+    """Wait until process ``pid`` is in ``netns`` (``ip netns exec`` has switched); ``False`` if it ended first
+    or ``timeout`` seconds passed."""
+    target = ns_inode(netns)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        current = _net_of(pid)
+        if current is None or current == target:
+            return current is not None
+        time.sleep(0.002)
+    return False
 
 
 def kill_and_wait(netns: str, pids: Iterable[int] | None, timeout: float = 10.0,
