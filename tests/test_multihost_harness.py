@@ -89,8 +89,17 @@ def test_cut_makes_connect_time_out_not_refused_and_heal_restores_it(pair):
             pass
 
 
+def root_namespace() -> tuple[str, str]:
+    """This machine's own interfaces and addresses (``ip -o link``/``addr``, counters left out)."""
+    links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    addrs = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, check=True).stdout
+    return "\n".join(line.split(" link/")[0] for line in links.splitlines()), addrs
+
+
 def test_processes_per_host_and_close_leaves_nothing_behind():
+    before = root_namespace()
     cluster = Cluster(["one", "two"])
+    assert root_namespace() == before  # no interface, bridge or address in the root namespace
     prefix = cluster.prefix
     sleeper = cluster["one"].popen(["sleep", "600"])
     other = cluster["two"].popen(["sleep", "600"])
