@@ -20,6 +20,7 @@ import glob
 import io
 import json
 import os
+import re
 import textwrap
 import time
 import urllib.request
@@ -198,7 +199,9 @@ def a_hung_worker_is_reported_dumped_and_restarted(job: Job) -> None:
     assert len(dumps) == 1, glob.glob(os.path.join(job.out, "logs", "slow", "**"), recursive=True)
     with open(dumps[0]) as f:
         dump = f.read()
-    assert "in stuck_in_allreduce" in dump and "w.py" in dump
+    # the hung function and its file, in faulthandler's ("File ".../w.py", line 22 in stuck_in_allreduce")
+    # or py-spy's ("stuck_in_allreduce (w.py:22)") format, whichever the agent found
+    assert re.search(r"w\.py.*\bstuck_in_allreduce\b|\bstuck_in_allreduce \(w\.py:\d+\)", dump), dump
     for role in ("fast-a", "fast-b"):  # membership restarts: none spent
         until(f"{role}'s second worker", lambda role=role: len(job.starts(role)) == 2, 90)
         assert job.starts(role)[1]["rc"] == 0
