@@ -235,6 +235,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         master_addr, master_port = static.master_addr, static.master_port
     else:
         url = _elastic_url(args, mode, url_arg)
+        url = _rank_request(args, url)
         target = Standalone(url) if mode == "standalone" else url
         nnodes = (1, 1) if mode == "standalone" else args.nnodes
         master_addr, master_port = _check_elastic_master(args, url), args.master_port
@@ -443,15 +444,29 @@ def _merge_nnodes(args: argparse.Namespace, url: RendezvousURL, conf: Mapping[st
     return url.with_params({"min_nodes": lo, "max_nodes": hi}, replace=False)
 
 
+def _rank_request(args: argparse.Namespace, url: RendezvousURL) -> RendezvousURL:
+    """``url`` with ``--node-rank`` (a rank request, elastic) and ``--node-labels`` as its query keys.
+
+    Raises:
+        ConfigError: ``--node-rank`` with ``rank_policy=join`` (join order only: nothing to request).
+    """
+    values: dict[str, Any] = {}
+    if args.node_rank is not None:
+        if url.params.get("rank_policy") == "join":
+            raise ConfigError("--node-rank", args.node_rank, "rank_policy=join gives ranks in join order only; a "
+                              "rank request needs rank_policy=stable or topology (docs/ranks.md)")
+        values["node_rank"] = args.node_rank
+    if args.node_labels is not None:
+        values["node_labels"] = args.node_labels
+    return url.with_params(values) if values else url
+
+
 def _check_elastic_master(args: argparse.Namespace, url: RendezvousURL) -> str | None:
     """Check ``--node-rank``/``--master-addr`` against an elastic rendezvous; return the MASTER_ADDR to give.
 
     Both only make sense when the job has one node (``max_nodes == 1``).
     """
     one_node = url.params.get("max_nodes") == 1
-    if args.node_rank is not None and not (args.node_rank == 0 and one_node):
-        raise ConfigError("--node-rank", args.node_rank, "an elastic rendezvous assigns node ranks at each round; "
-                          "a fixed node rank needs the static rendezvous (--rdzv-backend static)")
     if args.master_addr is None:
         return None
     if not one_node:

@@ -78,6 +78,7 @@ class Rendezvous(RoundMachine):
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result
+                self.last_round = (result.version, result.round_id, result.rank)
                 self._watch_round(result)
                 self._log(logging.INFO, "round complete: world size %d", result.world_size)
                 return result
@@ -159,7 +160,7 @@ class Rendezvous(RoundMachine):
         if record is None or current is None or record.status is not Status.FINAL or \
                 not record.is_round(current.version, current.round_id or None):
             return False
-        mine = f"rank_{current.rank}"
+        mine = f"rank_{current.key_slot}"
         for e in self.kv.list(self.keys.alive_dir(current.version, current.round_id or None))[0]:
             member = member_record(e)
             if rank_of(e.key) != mine and "corrupt" not in member and "finished" not in member:
