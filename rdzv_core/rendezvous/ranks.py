@@ -29,15 +29,15 @@ __all__ = ["POLICIES", "DEFAULT_POLICY", "Member", "group_ranks", "natural_key",
 _DIGITS = re.compile(r"(\d+)")
 
 
-def natural_key(text: str) -> tuple[tuple[Any, str], ...]:
+def natural_key(text: str) -> tuple[tuple[Any, ...], str]:
     """Sort key comparing runs of digits as numbers: ``node7`` < ``node66`` < ``Node100``.
 
-    Text runs compare case-folded, then as written; ``node007`` and ``node7`` compare by value, then
-    as written. (natsort's default ``natsorted`` algorithm, in five lines; not worth a dependency of
-    ``rdzv_core``.)
+    Text runs compare case-folded, digit runs by value; equal so far (``node007``, ``Node7``,
+    ``node7``), the text as written decides. (natsort's ``natsorted`` with ``ns.IGNORECASE``, in a few
+    lines; not worth a dependency of ``rdzv_core``.)
     """
     parts = _DIGITS.split(text)  # text at even indices, digits at odd: element types align position by position
-    return tuple((int(p), p) if i % 2 else (p.casefold(), p) for i, p in enumerate(parts))
+    return tuple(int(p) if i % 2 else p.casefold() for i, p in enumerate(parts)), text
 
 
 @dataclass(frozen=True)
