@@ -38,7 +38,6 @@ from typing import Any, Sequence
 from torch.distributed.argparse_util import check_env, env
 
 from rdzv_core.errors import ConfigError
-from rdzv_core.url import parse_node_labels
 
 from .api import DEFAULT_ROLE
 from .logs import LOGS_SPECS_GROUP, parse_filters, parse_local_ranks
@@ -96,14 +95,6 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
     return value
-
-
-def _node_labels(text: str) -> str:
-    try:
-        parse_node_labels("--node-labels", text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(exc.reason) from None
-    return text
 
 
 def _port(text: str) -> int:
@@ -329,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--node-rank", type=_non_negative_int, default=None, metavar="R",
         help="this node's rank, with the static rendezvous (--rdzv-backend static, torchrun's default); elastic: "
              "the group rank this node asks for, given where no other node's request wins (docs/ranks.md)")
-    opt("--node-labels", pet=False, type=_node_labels, default=None, metavar="K=V,...",
+    opt("--node-labels", pet=False, default=None, metavar="K=V,...",
         help="this node's topology labels for rank_policy=topology, e.g. rack=r1,switch=s3: group ranks are "
              "contiguous per label, in this key order (default: env RDZV_NODE_LABELS, else Slurm's topology)")
     opt("--master-addr", default=None, metavar="ADDR",
