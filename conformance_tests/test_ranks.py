@@ -46,6 +46,8 @@ def test_ranks_stay_put_over_rounds_when_the_join_order_reverses(agents) -> None
         ranks = _round_in_order(order)
         got = {group.index(order[i]): rank for i, rank in ranks.items()}
         assert got == first, f"ranks moved: first round {first}, now {got}"
+    slots = {a.rdzv.current.slot: a.rdzv.current.rank for a in group if a.rdzv.current is not None}
+    assert group[0].rdzv.describe()["group_ranks"] == [slots[s] for s in range(3)]  # what `rdzv status` reads
 
 
 def test_join_policy_keeps_the_origins_join_order(agents) -> None:  # noqa: F811

@@ -247,7 +247,8 @@ class Rendezvous(RoundMachine):
         return self.keys.store_prefix(version, self._rid_of(version, round_id))
 
     def describe(self) -> dict[str, Any]:
-        """The run's current state as plain data: the record's fields, alive members, joined and waiting.
+        """The run's current state as plain data: the record's fields, alive members, joined and waiting, and
+        ``group_ranks`` (the group rank of each slot) when the round's rank policy gave them.
 
         Raises:
             RendezvousStateError: the round record or a counter is corrupt.
@@ -261,6 +262,9 @@ class Rendezvous(RoundMachine):
             out["alive"] = [member_record(e) for e in alive]
             out["joined"] = self._counter(self.keys.joined(record.version, record.id))
             out["waiting"] = self._counter(self.keys.waiting(record.version, record.id))
+        if record.ranks is not None:  # slot -> group rank (docs/ranks.md); a member's "rank" above is its slot
+            ranks = self.kv.get(self.keys.ranks(record.version, record.id))
+            out["group_ranks"] = member_record(ranks).get("ranks") if ranks is not None else None
         return out
 
     def _rid_of(self, version: int, round_id: str | None) -> str | None:
