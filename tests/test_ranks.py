@@ -171,3 +171,26 @@ def test_labels_from_the_environment() -> None:
     with pytest.raises(InvalidURLError) as info:
         environment_labels({LABELS_ENV: "rack"})
     assert (info.value.field, info.value.value) == (LABELS_ENV, "rack")
+
+
+def test_group_ranks_are_stored_once_and_a_corrupt_copy_is_a_state_error() -> None:
+    """store_ranks computes from the keep-alive records and refuses a round with a member's key missing;
+    load_rank reads them back, and a corrupt copy is a RendezvousStateError naming the key."""
+    from rdzv_core import RendezvousStateError, open_backend
+    from rdzv_core.rendezvous import RunKeys
+    from rdzv_core.rendezvous.ranks import load_rank, store_ranks
+    from rdzv_core.rendezvous.record import encode_json
+
+    kv = open_backend("memory://ranks-store/")
+    keys = RunKeys("p", "job")
+    kv.put(keys.alive(3, "id", 0), encode_json({"rank": 0, "host": "n2", "prev": [2, "x", 1]}))
+    assert store_ranks(kv, keys, 3, "id", 2, "stable") is None  # slot 1 has no key: nothing stored
+    assert kv.get(keys.ranks(3, "id")) is None
+    kv.put(keys.alive(3, "id", 1), encode_json({"rank": 1, "host": "n1", "prev": [2, "x", 0]}))
+    assert store_ranks(kv, keys, 3, "id", 2, "stable") == [1, 0]
+    assert [load_rank(kv, keys, 3, "id", slot, 2) for slot in (0, 1)] == [1, 0]
+    kv.put(keys.ranks(3, "id"), b'{"ranks": [0, 0]}')
+    with pytest.raises(RendezvousStateError) as info:
+        load_rank(kv, keys, 3, "id", 0, 2)
+    assert info.value.key == keys.ranks(3, "id")
+    kv.close()

@@ -37,8 +37,8 @@ from ..errors import (
 from ..keepalive import KeepAlive
 from ..kv import Entry, KVBackend, parse_counter, wait_for_change
 from .params import Progress, RendezvousParams, RoundResult
-from .ranks import Member, group_ranks, member_fields
-from .record import RANK_PREFIX, RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks, rank_of
+from .ranks import load_rank, member_fields, store_ranks
+from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
 from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
@@ -324,7 +324,7 @@ class RoundMachine:
                 raise Retry(f"round {version} ended before it became final")
             if record.status is Status.FINAL:
                 self._final_revision = entry.revision
-                group_rank = rank if record.ranks is None else self._group_rank(version, rid, rank, world)
+                group_rank = rank if record.ranks is None else load_rank(self.kv, self.keys, version, rid, rank, world)
                 return RoundResult(version, group_rank, world, rid or "", slot=rank)
             self._check_frozen_stall(entry, record)
             self._progress("confirming", version, world, deadline)
@@ -333,38 +333,18 @@ class RoundMachine:
             wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + ttl / 3, deadline))
 
     def _publish_ranks(self, version: int, rid: str | None, world: int, policy: str) -> None:
-        """Compute every slot's group rank under ``policy`` from the members' keep-alive records and
-        put them at ``v_V.ID/ranks`` (before the round becomes final: one list, one put per round).
+        """:func:`~.ranks.store_ranks` for the round this node completes (before it becomes final).
 
         Raises:
             Retry: a member's key is missing (it left or lapsed): the frozen round is destroyed.
         """
-        alive = {rank_of(e.key): member_record(e) for e in self.kv.list(self.keys.alive_dir(version, rid))[0]}
-        records = [alive.get(f"{RANK_PREFIX}{slot}") for slot in range(world)]
-        if any(r is None for r in records):
+        ranks = store_ranks(self.kv, self.keys, version, rid, world, policy)
+        if ranks is None:
             entry = self._read_state()[0]
             if entry is not None:
                 self._destroy(entry, f"round {version}: a member's keep-alive key vanished before it became final")
             raise Retry(f"round {version} lost a member before its ranks were given")
-        ranks = group_ranks(policy, [Member.from_record(slot, r or {}) for slot, r in enumerate(records)])
-        self.kv.put(self.keys.ranks(version, rid), encode_json({"policy": policy, "ranks": ranks}))
         self._log(logging.INFO, "group ranks by %s: %s", policy, ranks[:32], version=version)
-
-    def _group_rank(self, version: int, rid: str | None, slot: int, world: int) -> int:
-        """This node's group rank from ``v_V.ID/ranks`` (a final record that names a policy has it).
-
-        Raises:
-            RendezvousStateError: the key is missing or is not a permutation of ``0 .. world-1``.
-        """
-        key = self.keys.ranks(version, rid)
-        entry = self.kv.get(key)
-        ranks = member_record(entry).get("ranks") if entry is not None else None
-        if not isinstance(ranks, list) or sorted(r for r in ranks if isinstance(r, int)) != list(range(world)):
-            raise RendezvousStateError(f"round {version}: the group ranks at {key!r} are missing or corrupt "
-                                       f"({'absent' if entry is None else repr(entry.value[:60])}); reset the run's "
-                                       "state", key)
-        rank: int = ranks[slot]
-        return rank
 
     def _check_frozen_stall(self, entry: Entry, record: RoundRecord) -> None:
         """Destroy a frozen round whose (record revision, confirmation count) has not changed for

@@ -13,6 +13,9 @@ of their keep-alive keys) and returns each slot's group rank. Policies:
 
 Rank requests (``node_rank``) then take the ranks they ask for; two asking for one rank: the
 earlier in the policy's order gets it; a request ``>= world size`` is not honoured.
+
+The round's I/O for them: :func:`store_ranks` (the member completing the round) and :func:`load_rank`
+(every member, once the round is final).
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from ..errors import RendezvousStateError
+from ..kv import KVBackend
 from ..url import DEFAULT_RANK_POLICY as DEFAULT_POLICY
 from ..url import RANK_POLICIES as POLICIES
+from .record import RANK_PREFIX, RunKeys, encode_json, member_record, rank_of
 
-__all__ = ["POLICIES", "DEFAULT_POLICY", "Member", "group_ranks", "natural_key", "member_fields"]
+__all__ = ["POLICIES", "DEFAULT_POLICY", "Member", "group_ranks", "natural_key", "member_fields", "store_ranks",
+           "load_rank"]
 
 _DIGITS = re.compile(r"(\d+)")
 
@@ -156,3 +163,34 @@ def _requested(order: Sequence[Member]) -> list[Member]:
     placed_slots = {m.slot for m in placed.values()}
     rest = iter(m for m in order if m.slot not in placed_slots)
     return [placed[r] if r in placed else next(rest) for r in range(world)]
+
+
+def store_ranks(kv: KVBackend, keys: RunKeys, version: int, rid: str | None, world: int,
+                policy: str) -> list[int] | None:
+    """Compute every slot's group rank under ``policy`` from round ``(version, rid)``'s keep-alive
+    records (one list) and put them at ``v_V.ID/ranks`` (one put); ``None`` (nothing put) if a slot
+    ``0 .. world-1`` has no key."""
+    alive = {rank_of(e.key): member_record(e) for e in kv.list(keys.alive_dir(version, rid))[0]}
+    records = [alive.get(f"{RANK_PREFIX}{slot}") for slot in range(world)]
+    if any(r is None for r in records):
+        return None
+    ranks = group_ranks(policy, [Member.from_record(slot, r or {}) for slot, r in enumerate(records)])
+    kv.put(keys.ranks(version, rid), encode_json({"policy": policy, "ranks": ranks}))
+    return ranks
+
+
+def load_rank(kv: KVBackend, keys: RunKeys, version: int, rid: str | None, slot: int, world: int) -> int:
+    """The group rank of ``slot`` from ``v_V.ID/ranks`` (a final record that names a policy has it).
+
+    Raises:
+        RendezvousStateError: the key is missing or is not a permutation of ``0 .. world-1``.
+    """
+    key = keys.ranks(version, rid)
+    entry = kv.get(key)
+    ranks = member_record(entry).get("ranks") if entry is not None else None
+    if not isinstance(ranks, list) or sorted(r for r in ranks if isinstance(r, int)) != list(range(world)):
+        shown = "absent" if entry is None else repr(entry.value[:60])
+        raise RendezvousStateError(f"round {version}: the group ranks at {key!r} are missing or corrupt ({shown}); "
+                                   "reset the run's state", key)
+    rank: int = ranks[slot]
+    return rank
