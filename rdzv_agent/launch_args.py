@@ -328,7 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
              "the program (fork+exec), which is also what torchrun does for a script, -m module, --no-python "
              "executable (torchrun uses the method only for --run-path and Python function entry points)")
     opt("--node-rank", type=_non_negative_int, default=None, metavar="R",
-        help="this node's rank, with the static rendezvous (--rdzv-backend static, torchrun's default)")
+        help="this node's rank, with the static rendezvous (--rdzv-backend static, torchrun's default); elastic: "
+             "the group rank this node asks for, given where no other node's request wins (docs/ranks.md)")
+    opt("--node-labels", pet=False, default=None, metavar="K=V,...",
+        help="this node's topology labels for rank_policy=topology, e.g. rack=r1,switch=s3: group ranks are "
+             "contiguous per label, in this key order (default: env RDZV_NODE_LABELS, else Slurm's topology)")
     opt("--master-addr", default=None, metavar="ADDR",
         help=f"static rendezvous: node rank 0's address (default {STATIC_DEFAULT_ADDR}); "
              "elastic one-node job: the workers' MASTER_ADDR")

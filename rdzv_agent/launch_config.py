@@ -32,7 +32,7 @@ from typing import Any, Mapping, Union
 from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.plugins import parse_backend_url
 from rdzv_core.torchrun import HANDLER_PREFIX
-from rdzv_core.url import RendezvousURL, parse_netloc, redact_text, validate_run_id
+from rdzv_core.url import RendezvousURL, parse_netloc, parse_node_labels, redact_text, validate_run_id
 
 from .api import DEFAULT_ROLE
 from .launch_args import (
@@ -245,6 +245,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         master_addr, master_port = static.master_addr, static.master_port
     else:
         url = _elastic_url(args, mode, url_arg)
+        url = _rank_request(args, url)
         target = Standalone(url) if mode == "standalone" else url
         nnodes = (1, 1) if mode == "standalone" else args.nnodes
         master_addr, master_port = _check_elastic_master(args, url), args.master_port
@@ -471,15 +472,35 @@ def _merge_nnodes(args: argparse.Namespace, url: RendezvousURL, conf: Mapping[st
     return url.with_params({"min_nodes": lo, "max_nodes": hi}, replace=False)
 
 
+def _rank_request(args: argparse.Namespace, url: RendezvousURL) -> RendezvousURL:
+    """``url`` with ``--node-rank`` (a rank request, elastic) and ``--node-labels`` as its query keys.
+
+    Raises:
+        ConfigError: ``--node-rank`` with ``rank_policy=join`` (join order only: nothing to request), or not
+            below ``max_nodes``; ``--node-labels`` not ``KEY=VALUE[,KEY=VALUE...]``.
+    """
+    values: dict[str, Any] = {}
+    if args.node_rank is not None:
+        flag = _shown(args, "--node-rank")
+        if url.params.get("rank_policy") == "join":
+            raise ConfigError(flag, args.node_rank, "rank_policy=join gives ranks in join order only; a "
+                              "rank request needs rank_policy=stable or topology (docs/ranks.md)")
+        most = url.params.get("max_nodes")
+        if most is not None and args.node_rank >= most:
+            raise ConfigError(flag, args.node_rank, f"must be less than the most nodes ({most})")
+        values["node_rank"] = args.node_rank
+    if args.node_labels is not None:
+        parse_node_labels("--node-labels", args.node_labels)  # names the flag, not the query key
+        values["node_labels"] = args.node_labels
+    return url.with_params(values) if values else url
+
+
 def _check_elastic_master(args: argparse.Namespace, url: RendezvousURL) -> str | None:
     """Check ``--node-rank``/``--master-addr`` against an elastic rendezvous; return the MASTER_ADDR to give.
 
     Both only make sense when the job has one node (``max_nodes == 1``).
     """
     one_node = url.params.get("max_nodes") == 1
-    if args.node_rank is not None and not (args.node_rank == 0 and one_node):
-        raise ConfigError("--node-rank", args.node_rank, "an elastic rendezvous assigns node ranks at each round; "
-                          "a fixed node rank needs the static rendezvous (--rdzv-backend static)")
     if args.master_addr is None:
         return None
     if not one_node:

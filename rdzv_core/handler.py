@@ -39,6 +39,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 from . import errors, observe, progress
 from .address import Endpoint, published_address
 from .kv import KVBackend
+from .labels import environment_labels
 from .metered import MeteredKV
 from .outage import OutageLog
 from .plugins import parse_backend_url
@@ -52,7 +53,8 @@ log = logging.getLogger(__name__)
 
 #: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
-                     "local_addr", "on_progress", "store_timeout", "backend_name")
+                     "local_addr", "on_progress", "store_timeout", "backend_name", "rank_policy", "node_rank",
+                     "node_labels")
 
 T = TypeVar("T")
 
@@ -134,6 +136,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._waiting_outage = OutageLog(log.log)
         self._progress_outage = OutageLog(log.log)
         self._rdzv.on_keepalive = self._keep_alive
+        if local_addr:
+            self._rdzv.host = local_addr  # the name the rank policies order this node by
 
     @classmethod
     def from_url(cls, url: str | RendezvousURL, **overrides: Any) -> "RdzvHandler":
@@ -150,6 +154,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
             raise errors.ConfigError(unknown[0], overrides[unknown[0]], f"unknown option; valid: {valid}")
         info, parsed = parse_backend_url(url)
         settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
+        if "node_labels" not in settings:  # RDZV_NODE_LABELS or the scheduler's: also under plain torchrun
+            settings["node_labels"] = environment_labels()
         params = RendezvousParams.from_query(settings)
         try:
             kv = info.spec.open(parsed)

@@ -43,6 +43,9 @@ __all__ = [
     "to_positive_float",
     "to_str",
     "to_bool",
+    "RANK_POLICIES",
+    "DEFAULT_RANK_POLICY",
+    "parse_node_labels",
 ]
 
 MAX_RUN_ID_CHARS = 128
@@ -119,6 +122,42 @@ def _prefix(field_name: str, raw: str) -> str:
     return stripped
 
 
+#: The rank policies (query key ``rank_policy``; ``rdzv_core.rendezvous.ranks``, ``docs/ranks.md``).
+RANK_POLICIES = ("join", "stable", "topology")
+DEFAULT_RANK_POLICY = "stable"
+_LABEL_PART = re.compile(r"[^\s=,]+")
+
+
+def _rank_policy(field_name: str, raw: str) -> str:
+    if raw not in RANK_POLICIES:
+        raise InvalidURLError(field_name, raw, f"must be one of {', '.join(RANK_POLICIES)}")
+    return raw
+
+
+def parse_node_labels(field_name: str, raw: str) -> tuple[tuple[str, str], ...]:
+    """``KEY=VALUE[,KEY=VALUE...]`` (e.g. ``rack=r1,switch=s3``) as pairs in the order given; ``""``: none.
+
+    Raises:
+        InvalidURLError: naming ``field_name``: a part that is not ``KEY=VALUE`` of non-empty text
+            without spaces, ``=`` or ``,``, or a key given twice.
+    """
+    pairs: list[tuple[str, str]] = []
+    for part in raw.split(",") if raw else []:
+        key, eq, value = part.partition("=")
+        if not (eq and _LABEL_PART.fullmatch(key) and _LABEL_PART.fullmatch(value)):
+            raise InvalidURLError(field_name, raw, f"{part!r} is not KEY=VALUE (non-empty, without spaces, '=' or "
+                                                   "','); labels are KEY=VALUE[,KEY=VALUE...], e.g. rack=r1,switch=s3")
+        if key in dict(pairs):
+            raise InvalidURLError(field_name, raw, f"label {key!r} given twice")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+def _node_labels(field_name: str, raw: str) -> str:
+    parse_node_labels(field_name, raw)
+    return raw
+
+
 Converter = Callable[[str, str], Any]
 
 #: Query keys understood for every backend (canonical name -> converter).
@@ -130,6 +169,9 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "keep_alive_ttl": to_positive_float,
     "prefix": _prefix,
     "operation_timeout": to_positive_float,
+    "rank_policy": _rank_policy,
+    "node_rank": lambda f, v: to_int(f, v, 0),
+    "node_labels": _node_labels,
 }
 
 #: Other names accepted for the canonical keys (torchelastic's and torch's names).

@@ -294,6 +294,15 @@ def test_one_node_static_without_a_port_runs_standalone(script):
     assert c.target.in_directory("/tmp/d").redacted() == "file:///tmp/d/myjob?min_nodes=1&max_nodes=1"
 
 
+def test_node_rank_and_labels_with_an_elastic_rendezvous_are_a_rank_request(script):
+    """Elastic: --node-rank asks for a group rank, --node-labels declares labels (docs/ranks.md); both go to the
+    rendezvous as its query keys."""
+    c = config(["--rdzv", "file:///d/r", "--nnodes", "2:3", "--node-rank", "2", "--node-labels", "rack=r1,sw=s2",
+                script])
+    assert (c.target.params["node_rank"], c.target.params["node_labels"]) == (2, "rack=r1,sw=s2")
+    assert "node_rank" not in config(["--rdzv", "file:///d/r", "--nnodes", "2:3", script]).target.params
+
+
 def test_master_options_with_an_elastic_rendezvous(script):
     c = config(["--rdzv", "file:///d/r?max_nodes=3", "--master-port", "29999", script])
     assert (c.master_port, c.master_addr, c.static) == (29999, None, None)
@@ -380,8 +389,8 @@ def test_module_and_no_python(script, tmp_path):
         (["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/../etc", "--rdzv-id", "job", "S"], "--rdzv-endpoint"),
         (["--rdzv-backend", "etcd://h", "--rdzv-endpoint", "h:1", "--rdzv-id", "job", "S"], "--rdzv-backend"),
         # torchrun's static options: refused where they cannot do what torchrun does
-        (["--rdzv", "file:///d/r", "--nnodes", "2", "--node-rank", "1", "S"], "--node-rank"),
-        (["--rdzv", "file:///d/r", "--nnodes", "1:2", "--node-rank", "0", "S"], "--node-rank"),
+        (["--rdzv", "file:///d/r?rank_policy=join", "--nnodes", "2", "--node-rank", "1", "S"], "--node-rank"),
+        (["--rdzv", "file:///d/r", "--nnodes", "1:2", "--node-rank", "2", "S"], "--node-rank"),
         (["--standalone", "--node-rank", "1", "S"], "--node-rank"),
         (["--rdzv", "file:///d/r?max_nodes=3", "--master-addr", "10.0.0.1", "S"], "--master-addr"),
         (["--standalone", "--master-addr", "bad host", "S"], "--master-addr"),

@@ -290,7 +290,9 @@ def test_closed_run_exits_1_and_success_closes_the_run(node_url, procs, tmp_path
         ["--standalone", "--role", "two words"],
         ["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/x", "--rdzv-id", "job?min_nodes=1"],
         ["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1/?max_nodes=9", "--rdzv-id", "job"],
-        ["--rdzv", "file:///tmp/x/run", "--nnodes", "2", "--node-rank", "1"],
+        ["--rdzv", "file:///tmp/x/run?rank_policy=join", "--nnodes", "2", "--node-rank", "1"],
+        ["--rdzv", "file:///tmp/x/run", "--nnodes", "2", "--node-labels", "rack"],
+        ["--rdzv", "file:///tmp/x/run?rank_policy=first", "--nnodes", "2"],
         ["--rdzv", "file:///tmp/x/run", "--nnodes", "2", "--master-addr", "10.0.0.1"],
         ["--rdzv-backend", "static", "--nnodes", "1:2"],
     ],
@@ -336,7 +338,9 @@ def test_a_malformed_url_is_echoed_as_given(url, shown, capsys):
         ({"PET_NNODES": "2"}, ["--rdzv", "file:///tmp/x/run?max_nodes=4"], "'PET_NNODES': '2:2'"),
         ({"PET_RDZV_ID": "a?b"}, ["--rdzv-backend", "file", "--rdzv-endpoint", "/tmp/x"], "'PET_RDZV_ID': 'a?b'"),
         ({"PET_RDZV_BACKEND": "file"}, ["--standalone"], "--standalone and PET_RDZV_BACKEND"),
-        ({"PET_NODE_RANK": "1"}, ["--rdzv", "file:///tmp/x/run", "--nnodes", "2"], "'PET_NODE_RANK': 1"),
+        ({"PET_NODE_RANK": "1"}, ["--rdzv", "file:///tmp/x/run?rank_policy=join", "--nnodes", "2"],
+         "'PET_NODE_RANK': 1"),
+        ({"PET_NODE_RANK": "2"}, ["--rdzv", "file:///tmp/x/run", "--nnodes", "2"], "'PET_NODE_RANK': 2"),
     ],
 )
 def test_bad_pet_variables_exit_2_with_one_line_naming_them(env, argv, shown, monkeypatch, capsys):

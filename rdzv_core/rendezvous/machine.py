@@ -37,6 +37,7 @@ from ..errors import (
 from ..keepalive import KeepAlive
 from ..kv import Entry, KVBackend, parse_counter, wait_for_change
 from .params import Progress, RendezvousParams, RoundResult
+from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
 from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
 
@@ -79,6 +80,10 @@ class RoundMachine:
         #: called after each keep-alive refresh of this node's key (see :class:`~rdzv_core.keepalive.KeepAlive`).
         self.on_keepalive: Callable[[BaseException | None], object] | None = None
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        #: this node's name in its keep-alive record, the rank policies' tie-break (the handler sets ``local_addr``).
+        self.host = socket.gethostname()
+        #: ``(version, round id, group rank)`` of the last round this node was a member of (``stable`` ranks).
+        self.last_round: tuple[int, str, int] | None = None
         self._keepalive: KeepAlive | None = None
         self._alive_key: str | None = None
         self._alive_info: dict[str, Any] = {}
@@ -283,9 +288,12 @@ class RoundMachine:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final
         (after ``confirm_phase``). Two writes per member: its keep-alive key and, once per member and
         round (also when resumed), the ``confirmed`` counter."""
-        ttl = self.params.keep_alive_ttl
+        p = self.params
+        ttl = p.keep_alive_ttl
         alive_key = self.keys.alive(version, rid, rank)
-        info = {"rank": rank, "node": self.node_id, "host": socket.gethostname(), "since": round(time.time(), 3)}
+        want = p.node_rank if p.rank_policy != "join" else None
+        info = {"rank": rank, "node": self.node_id, "host": self.host, "since": round(time.time(), 3),
+                **member_fields(self.last_round, p.labels, want)}
         self.kv.put(alive_key, encode_json(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info
         self._keepalive = KeepAlive(
@@ -302,7 +310,10 @@ class RoundMachine:
             self._held = Held(version, rid, rank + 1, confirmed=True)
             confirmed = self._add(self.keys.confirmed(version, rid))
         if confirmed == world:
-            final = RoundRecord(Status.FINAL, version, rid, participants=world)
+            policy = None if p.rank_policy == "join" else p.rank_policy
+            if policy is not None:
+                self._publish_ranks(version, rid, world, policy)
+            final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
             try:
                 self._transition(version, rid, Status.FROZEN, lambda _: final, deadline)
             except Deadline:
@@ -314,12 +325,27 @@ class RoundMachine:
                 raise Retry(f"round {version} ended before it became final")
             if record.status is Status.FINAL:
                 self._final_revision = entry.revision
-                return RoundResult(version, rank, world, rid or "")
+                group_rank = rank if record.ranks is None else load_rank(self.kv, self.keys, version, rid, rank, world)
+                return RoundResult(version, group_rank, world, rid or "", slot=rank)
             self._check_frozen_stall(entry, record)
             self._progress("confirming", version, world, deadline)
             if time.monotonic() >= deadline:
                 raise Deadline()
             wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + ttl / 3, deadline))
+
+    def _publish_ranks(self, version: int, rid: str | None, world: int, policy: str) -> None:
+        """:func:`~.ranks.store_ranks` for the round this node completes (before it becomes final).
+
+        Raises:
+            Retry: a member's key is missing (it left or lapsed): the frozen round is destroyed.
+        """
+        ranks = store_ranks(self.kv, self.keys, version, rid, world, policy)
+        if ranks is None:
+            entry = self._read_state()[0]
+            if entry is not None:
+                self._destroy(entry, f"round {version}: a member's keep-alive key vanished before it became final")
+            raise Retry(f"round {version} lost a member before its ranks were given")
+        self._log(logging.INFO, "group ranks by %s: %s", policy, ranks[:32], version=version)
 
     def _check_frozen_stall(self, entry: Entry, record: RoundRecord) -> None:
         """Destroy a frozen round whose (record revision, confirmation count) has not changed for

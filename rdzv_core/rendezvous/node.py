@@ -78,6 +78,7 @@ class Rendezvous(RoundMachine):
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result
+                self.last_round = (result.version, result.round_id, result.rank)
                 self._watch_round(result)
                 self._log(logging.INFO, "round complete: world size %d", result.world_size)
                 return result
@@ -159,7 +160,7 @@ class Rendezvous(RoundMachine):
         if record is None or current is None or record.status is not Status.FINAL or \
                 not record.is_round(current.version, current.round_id or None):
             return False
-        mine = f"rank_{current.rank}"
+        mine = f"rank_{current.key_slot}"
         for e in self.kv.list(self.keys.alive_dir(current.version, current.round_id or None))[0]:
             member = member_record(e)
             if rank_of(e.key) != mine and "corrupt" not in member and "finished" not in member:
@@ -246,7 +247,8 @@ class Rendezvous(RoundMachine):
         return self.keys.store_prefix(version, self._rid_of(version, round_id))
 
     def describe(self) -> dict[str, Any]:
-        """The run's current state as plain data: the record's fields, alive members, joined and waiting.
+        """The run's current state as plain data: the record's fields, alive members, joined and waiting, and
+        ``group_ranks`` (the group rank of each slot) when the round's rank policy gave them.
 
         Raises:
             RendezvousStateError: the round record or a counter is corrupt.
@@ -260,6 +262,9 @@ class Rendezvous(RoundMachine):
             out["alive"] = [member_record(e) for e in alive]
             out["joined"] = self._counter(self.keys.joined(record.version, record.id))
             out["waiting"] = self._counter(self.keys.waiting(record.version, record.id))
+        if record.ranks is not None:  # slot -> group rank (docs/ranks.md); a member's "rank" above is its slot
+            ranks = self.kv.get(self.keys.ranks(record.version, record.id))
+            out["group_ranks"] = member_record(ranks).get("ranks") if ranks is not None else None
         return out
 
     def _rid_of(self, version: int, round_id: str | None) -> str | None:

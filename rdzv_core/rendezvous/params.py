@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..url import DEFAULT_RANK_POLICY, RANK_POLICIES, parse_node_labels
 
 __all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL"]
 
@@ -26,6 +27,10 @@ class RendezvousParams:
     keep_alive_ttl       5.0        TTL (s) of keep-alive keys and of transient
                                     round records; refreshed every TTL/3
     prefix               torchelastic/p2p   key prefix in the backend
+    rank_policy          stable     how group ranks are given: join, stable, topology
+                                    (``docs/ranks.md``)
+    node_rank            None       the group rank this node asks for (int >= 0)
+    node_labels          ""         this node's labels ``KEY=VALUE[,...]`` (topology)
     ===================  =========  ===================================================
 
     Raises:
@@ -38,6 +43,9 @@ class RendezvousParams:
     last_call_timeout: float = 30.0
     keep_alive_ttl: float = 5.0
     prefix: str = "torchelastic/p2p"
+    rank_policy: str = DEFAULT_RANK_POLICY
+    node_rank: int | None = None
+    node_labels: str = ""
 
     @classmethod
     def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
@@ -47,7 +55,8 @@ class RendezvousParams:
         Raises:
             ConfigError: a value is out of range (names the field and value).
         """
-        fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix")
+        fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
+                  "node_rank", "node_labels")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -66,26 +75,49 @@ class RendezvousParams:
         if self.keep_alive_ttl < MIN_KEEP_ALIVE_TTL:
             raise ConfigError("keep_alive_ttl", self.keep_alive_ttl,
                               f"must be >= {MIN_KEEP_ALIVE_TTL} s (it is refreshed every TTL/3 over the network)")
+        if self.rank_policy not in RANK_POLICIES:
+            raise ConfigError("rank_policy", self.rank_policy, f"must be one of {', '.join(RANK_POLICIES)}")
+        rank = self.node_rank
+        if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+            raise ConfigError("node_rank", rank, "must be an int >= 0 (the group rank this node asks for)")
+        if rank is not None and self.rank_policy == "join":
+            raise ConfigError("node_rank", rank, "rank_policy=join gives ranks in join order only; a rank request "
+                              "needs rank_policy=stable or topology")
+        if not isinstance(self.node_labels, str):
+            raise ConfigError("node_labels", self.node_labels, "must be text KEY=VALUE[,KEY=VALUE...]")
+        parse_node_labels("node_labels", self.node_labels)
 
     @property
     def limit(self) -> int:
         """``max_nodes`` as an int (it is never ``None`` once constructed)."""
         return self.max_nodes if self.max_nodes is not None else self.min_nodes
 
+    @property
+    def labels(self) -> tuple[tuple[str, str], ...]:
+        """``node_labels`` as ``((key, value), ...)`` in the order declared."""
+        return parse_node_labels("node_labels", self.node_labels)
+
 
 @dataclass(frozen=True)
 class RoundResult:
-    """A completed round: ``version`` (int), this node's ``rank`` and the ``world_size``.
+    """A completed round: ``version`` (int), this node's group ``rank`` and the ``world_size``.
 
     ``round_id`` (str) is the random id the round record got at setup: with the
     version it identifies the round even if a run's keys were lost and the version
-    counter started again.
+    counter started again. ``slot`` (int) is this node's join ticket - 1, the ``R`` of its
+    keep-alive key ``alive/rank_R`` (``None``: equal to ``rank``).
     """
 
     version: int
     rank: int
     world_size: int
     round_id: str = ""
+    slot: int | None = None
+
+    @property
+    def key_slot(self) -> int:
+        """The slot of this node's keep-alive key."""
+        return self.rank if self.slot is None else self.slot
 
 
 @dataclass(frozen=True)

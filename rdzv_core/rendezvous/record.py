@@ -5,10 +5,11 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
     ROOT/state/round            JSON round record (the only key compare-and-swapped)
     ROOT/state/closed           present once the run is closed (never expires)
     ROOT/counter/version        round version counter
-    ROOT/v_V.ID/joined          join tickets of round V (ticket t -> rank t-1)
+    ROOT/v_V.ID/joined          join tickets of round V (ticket t -> slot t-1; the group rank with rank_policy=join)
     ROOT/v_V.ID/confirmed       confirmations of round V
     ROOT/v_V.ID/waiting         late nodes counted while V is final
-    ROOT/v_V.ID/alive/rank_R    keep-alive key of rank R (TTL; no TTL and "finished" once it finished)
+    ROOT/v_V.ID/alive/rank_R    keep-alive key of slot R (TTL; no TTL and "finished" once it finished)
+    ROOT/v_V.ID/ranks           group rank of each slot, when the round's rank policy is not join
     ROOT/v_V.ID/extra/KEY       extra data of round V
     ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.progress)
     ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
@@ -27,7 +28,7 @@ from typing import Any, Iterable
 
 from ..errors import RendezvousStateError
 from ..kv import Entry, escape_segment, join_key
-from ..url import validate_run_id
+from ..url import RANK_POLICIES, validate_run_id
 
 __all__ = ["Status", "RoundRecord", "RunKeys", "round_segment", "member_record", "missing_ranks",
            "encode_json", "MAX_STATE_BYTES"]
@@ -68,6 +69,8 @@ class RoundRecord:
         id: the round's random id (``None`` for a record without one).
         participants: the members of a frozen or final round (int >= 1), else ``None``.
         last_call: the node id of the last-call owner of a joinable round, else ``None``.
+        ranks: in a final round, the rank policy whose group ranks ``v_V.ID/ranks`` holds; ``None``:
+            group rank = slot (join order).
     """
 
     status: Status
@@ -75,6 +78,7 @@ class RoundRecord:
     id: str | None = None
     participants: int | None = None
     last_call: str | None = None
+    ranks: str | None = None
 
     def is_round(self, version: int, rid: str | None) -> bool:
         """Whether this is the round ``(version, rid)`` (``rid`` ``None``: a record without id)."""
@@ -87,7 +91,7 @@ class RoundRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record as stored: a JSON object, keys sorted, fields that are ``None`` or 0 left out."""
         out = {"id": self.id, "last_call": self.last_call, "participants": self.participants,
-               "status": self.status.value, "version": self.version}
+               "status": self.status.value, "version": self.version, "ranks": self.ranks}
         return {name: value for name, value in out.items() if value is not None and value != 0}
 
     def encode(self) -> bytes:
@@ -125,7 +129,11 @@ class RoundRecord:
             raw = state.get("participants")
             participants = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
         last_call = state.get("last_call")
-        return cls(status, version, rid, participants, None if last_call is None else str(last_call))
+        ranks = state.get("ranks")
+        if ranks is not None and ranks not in RANK_POLICIES:
+            raise RendezvousStateError(f"round record at {key!r}: 'ranks' must be a rank policy, got {ranks!r:.80}",
+                                       key)
+        return cls(status, version, rid, participants, None if last_call is None else str(last_call), ranks)
 
 
 def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1) -> int:
@@ -189,6 +197,10 @@ class RunKeys:
 
     def waiting(self, version: int, rid: str | None) -> str:
         return self.of_round(version, rid, "waiting")
+
+    def ranks(self, version: int, rid: str | None) -> str:
+        """``ROOT/v_V.RID/ranks``: the group rank of each slot (``rdzv_core.rendezvous.ranks``)."""
+        return self.of_round(version, rid, "ranks")
 
     def alive_dir(self, version: int, rid: str | None) -> str:
         """``ROOT/v_V.RID/alive/``: the round's keep-alive keys."""
