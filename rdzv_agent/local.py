@@ -222,6 +222,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
         envs = {w.local_rank: self._worker_env(worker_group, w.local_rank) for w in worker_group.workers}
+        network = master.worker_network_env(self._base_env, spec.local_addr, spec.rdzv_handler)
+        for env in envs.values():
+            env.update(network)
         self._watchdog.start(spec.rdzv_handler.get_run_id(), envs.values())
         dest = self._logs_specs.reify(envs)
         self._attempt_dir = os.path.dirname(dest.filtered_stdout) or None

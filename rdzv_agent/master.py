@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import re
 import socket
-from typing import Any
+from typing import Any, Mapping
 
+from rdzv_core import address
 from rdzv_core.address import published_address
 
 __all__ = [
@@ -30,11 +32,14 @@ __all__ = [
     "choose_port",
     "port_is_free",
     "local_address",
+    "worker_network_env",
     "publish",
     "read",
     "decode",
     "is_port_in_use_error",
 ]
+
+log = logging.getLogger(__name__)
 
 MASTER_KEY = "rdzv_agent/master"
 
@@ -78,6 +83,31 @@ def local_address(configured: str | None = None, handler: Any = None) -> str:
     """The address to publish as MASTER_ADDR: ``configured``, else by :mod:`rdzv_core.address`'s rule
     with the backend endpoints of ``handler`` (its ``endpoints``; none for a handler without them)."""
     return published_address(configured, getattr(handler, "endpoints", ()))
+
+
+#: The variable gloo reads for the interface it binds and announces (torch's ``ProcessGroupGloo``).
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def worker_network_env(parent_env: Mapping[str, str], configured: str | None = None,
+                       handler: Any = None) -> dict[str, str]:
+    """``{"GLOO_SOCKET_IFNAME": IFACE}`` for the workers when gloo would otherwise announce loopback, else ``{}``.
+
+    gloo announces the address this host's name resolves to and falls back to loopback when it resolves to
+    none (torch's "Unable to resolve hostname ... Using the loopback address as fallback"); peers on other
+    hosts then cannot connect. So when the name does not resolve beyond loopback and the user set no
+    ``GLOO_SOCKET_IFNAME``, the workers get the interface of this node's own address by
+    :mod:`rdzv_core.address`'s rule (``--local-addr`` or the route to the backend). torchrun sets nothing.
+    """
+    if GLOO_IFNAME_ENV in parent_env or address.name_resolves():
+        return {}
+    chosen, _ = address.choose_address(configured, getattr(handler, "endpoints", ()))
+    interface = address.interface_of(chosen)
+    if interface is None or interface == "lo":
+        return {}
+    log.info("workers get %s=%s (this host's name does not resolve; %s is on %s)", GLOO_IFNAME_ENV, interface,
+             chosen, interface)
+    return {GLOO_IFNAME_ENV: interface}
 
 
 def publish(store: Any, addr: str, port: int) -> None:

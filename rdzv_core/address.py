@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Sequence
 
-__all__ = ["choose_address", "published_address", "route_source"]
+__all__ = ["choose_address", "published_address", "route_source", "name_resolves", "interface_of"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,23 @@ def _resolves_beyond_loopback(name: str) -> str | None:
         address = str(info[4][0])
         if not _is_loopback(address):
             return address
+    return None
+
+
+def name_resolves() -> bool:
+    """Whether this host's name (``getfqdn()``, then ``gethostname()``) resolves to a non-loopback address."""
+    return any(_resolves_beyond_loopback(n) is not None for n in dict.fromkeys((socket.getfqdn(),
+                                                                                    socket.gethostname())))
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the local network interface that holds ``address`` (``psutil.net_if_addrs``), or ``None``."""
+    import psutil
+
+    wanted = address.split("%", 1)[0]
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(str(a.address).split("%", 1)[0] == wanted for a in addrs):
+            return str(name)
     return None
 
 

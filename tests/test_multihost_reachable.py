@@ -56,12 +56,15 @@ def job(site, tmp_path):
             return f"{scheme}://{address}/{self.run_id}?keep_alive_ttl=3&timeout=90"
 
         def start(self, argv: list[str], module: str = "rdzv_agent.launcher",
-                  per_host: dict[str, list[str]] | None = None, env: dict[str, str] | None = None) -> list[Launcher]:
-            """One launcher per node host; ``per_host[name]`` is put before ``argv`` on that host."""
+                  per_host: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
+                  gloo_ifname: bool = False) -> list[Launcher]:
+            """One launcher per node host; ``per_host[name]`` is put before ``argv`` on that host. gloo picks
+            its interface by resolving the host name, else loopback: ``gloo_ifname`` names it for the workers
+            (rdzv-run does that itself; torchrun does not: docs/networking.md)."""
             for name in NODES:
-                # gloo picks its interface by resolving the host name, else loopback: name it (docs/networking.md)
-                host_env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster[name].interface,
-                            **(env or {})}
+                host_env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", **(env or {})}
+                if gloo_ifname:
+                    host_env["GLOO_SOCKET_IFNAME"] = cluster[name].interface
                 full = [*(per_host or {}).get(name, []), *argv]
                 self.launchers.append(Launcher(full, str(tmp_path), name, env=host_env, module=module,
                                                prefix=cluster[name].command_prefix))
@@ -107,6 +110,9 @@ def test_three_hosts_that_cannot_resolve_names_train_at_world_size_3(site, job, 
     rank0 = next(r for r in records if r["RANK"] == "0")
     assert {r["MASTER_ADDR"] for r in records} == {host_of(site, rank0["env"]["MH_HOST"])}
     ipaddress.ip_address(rank0["MASTER_ADDR"])  # an address, not a name
+    # the launchers named gloo's interface (none was set): each host's own, the one towards the backend
+    assert {r["env"]["MH_HOST"]: r["env"].get("GLOO_SOCKET_IFNAME") for r in records} == \
+        {name: site[0][name].interface for name in NODES}
 
 
 TORCHRUN_TIMEOUT = 120.0
@@ -132,7 +138,8 @@ def test_torchrun_on_the_same_hosts_master_addr(site, job, handler):
         endpoint = servers["redis"].address
     launchers = job.start(["--nnodes", "3", "--nproc-per-node", "1", "--rdzv-backend", handler,
                            "--rdzv-endpoint", endpoint, "--rdzv-id", job.run_id, "--monitor-interval", "0.2",
-                           *worker_argv(job)], module="torch.distributed.run", per_host=per_host, env=env)
+                           *worker_argv(job)], module="torch.distributed.run", per_host=per_host, env=env,
+                          gloo_ifname=True)
     wait_until(lambda: len(job.records()) == 3, TORCHRUN_TIMEOUT, "three workers' records", job.tails)
     records = job.records()
     published = {r["MASTER_ADDR"] for r in records}
