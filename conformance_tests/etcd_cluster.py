@@ -30,7 +30,7 @@ import urllib.request
 from typing import Sequence
 
 from .etcd_server import EtcdServer
-from .servers import free_port
+from .servers import LOOPBACK, Placement, free_port
 
 __all__ = ["EtcdMember", "EtcdCluster"]
 
@@ -47,6 +47,7 @@ class EtcdMember(EtcdServer):
     Args:
         member_name: the member's ``--name`` (str).
         enable_v2: serve the v2 API as well (default ``True``).
+        placement: where it runs and the address it binds (default: here, ``127.0.0.1``).
 
     Attributes:
         member_name: as given.
@@ -56,8 +57,8 @@ class EtcdMember(EtcdServer):
 
     name = "etcd-member"
 
-    def __init__(self, member_name: str, enable_v2: bool = True) -> None:
-        super().__init__(enable_v2=enable_v2)
+    def __init__(self, member_name: str, enable_v2: bool = True, placement: Placement = LOOPBACK) -> None:
+        super().__init__(enable_v2=enable_v2, placement=placement)
         self.member_name = member_name
         self.initial_cluster = ""
         self.cluster_token = ""

@@ -1,4 +1,4 @@
-"""A real single-member ``etcd`` (3.5) for tests: free loopback ports, own data dir.
+"""A real single-member ``etcd`` (3.5) for tests: free ports (loopback, or a placement's address), own data dir.
 
 The controller behind ``{server:etcd}`` (fixture ``rdzv_server_etcd`` in
 :mod:`conformance_tests.servers`). It inherits kill -9 / restart (same ports,
@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
-from .servers import ServerProcess, free_port
+from .servers import LOOPBACK, Placement, ServerProcess, free_port
 
 __all__ = ["EtcdServer", "MAX_REQUEST_BYTES", "etcd_binary"]
 
@@ -51,7 +51,8 @@ def etcd_binary() -> str:
 
 
 class EtcdServer(ServerProcess):
-    """One ``etcd`` member on ``127.0.0.1`` (client port :attr:`port`, peer port :attr:`peer_port`).
+    """One ``etcd`` member on ``127.0.0.1`` or ``placement.bind_host`` (client port :attr:`port`,
+    peer port :attr:`peer_port`).
 
     Args:
         enable_v2: serve the v2 API (``--enable-v2=true``); ``False`` starts an
@@ -62,6 +63,7 @@ class EtcdServer(ServerProcess):
         ca_file: CA bundle used by :meth:`ready` to check an ``https`` server (str path).
         client_cert: ``(cert_path, key_path)`` that :meth:`ready` presents when the
             server demands client certificates (``--client-cert-auth``).
+        placement: where it runs and the address it binds (default: here, ``127.0.0.1``).
 
     Raises:
         FileNotFoundError: from :meth:`start` when there is no ``etcd`` binary (see :func:`etcd_binary`).
@@ -78,16 +80,17 @@ class EtcdServer(ServerProcess):
         protocol: str = "http",
         ca_file: str | None = None,
         client_cert: tuple[str, str] | None = None,
+        placement: Placement = LOOPBACK,
     ) -> None:
-        super().__init__()
+        super().__init__(placement)
         self.enable_v2 = enable_v2
         self.extra_args = tuple(extra_args)
         self.protocol = protocol
         self.ca_file = ca_file
         self.client_cert = client_cert
-        self.peer_port = free_port(self.host)
+        self.peer_port = free_port()
         while self.peer_port == self.port:
-            self.peer_port = free_port(self.host)
+            self.peer_port = free_port()
 
     @property
     def client_url(self) -> str:

@@ -30,6 +30,7 @@ import pytest
 
 from rdzv_core import KVBackend, list_backends, open_backend
 
+from .multihost import rdzv_hosts, rdzv_hosts_module  # noqa: F401  (fixtures)
 from .servers import rdzv_server_etcd, rdzv_server_redis  # noqa: F401  (fixtures)
 
 DEFAULT_URLS = ("memory://conformance/", "file://{tmp}/")
@@ -53,6 +54,7 @@ MARKERS = {
     "rendezvous": "rendezvous state-machine scenarios (rdzv conformance suite)",
     "store": "c10d Store contract (rdzv conformance suite)",
     "faults": "server faults and bad input; some need a server controller (rdzv conformance suite)",
+    "multihost": "hosts in network namespaces (conformance_tests.multihost); skipped unless root",
 }
 
 

@@ -21,7 +21,7 @@ import ssl
 import time
 from typing import Sequence
 
-from .servers import ServerProcess
+from .servers import LOOPBACK, Placement, ServerProcess
 
 __all__ = ["RedisServer", "RedisTLSServer"]
 
@@ -32,6 +32,7 @@ class RedisServer(ServerProcess):
     Args:
         appendonly: keep data across kill/start through the AOF (default ``True``).
         extra_args: more ``redis-server`` arguments (e.g. ``("--maxmemory", "100mb")``).
+        placement: where it runs and the address it binds (default: here, ``127.0.0.1``).
 
     Raises (from :meth:`start`):
         RuntimeError: the server did not answer ``PING`` within ``start_timeout`` seconds.
@@ -41,8 +42,9 @@ class RedisServer(ServerProcess):
     name = "redis"
     executable = "redis-server"
 
-    def __init__(self, *, appendonly: bool = True, extra_args: Sequence[str] = ()) -> None:
-        super().__init__()
+    def __init__(self, *, appendonly: bool = True, extra_args: Sequence[str] = (),
+                 placement: Placement = LOOPBACK) -> None:
+        super().__init__(placement)
         self.appendonly = appendonly
         self.extra_args = tuple(extra_args)
 
@@ -53,8 +55,10 @@ class RedisServer(ServerProcess):
     def command(self) -> Sequence[str]:
         exe = shutil.which(self.executable) or self.executable
         aof = ["--appendonly", "yes", "--appendfsync", "no"] if self.appendonly else ["--appendonly", "no"]
+        # Redis 7's protected mode refuses clients from other hosts of a server without a password
+        protected = [] if self.host == "127.0.0.1" else ["--protected-mode", "no"]
         return [
-            exe, *self.port_args(), "--bind", self.host, "--save", "", *aof, "--dir", self.data_dir,
+            exe, *self.port_args(), "--bind", self.host, *protected, "--save", "", *aof, "--dir", self.data_dir,
             "--daemonize", "no", "--logfile", "", *self.extra_args,
         ]
 

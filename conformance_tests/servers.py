@@ -17,11 +17,40 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import pytest
 
-__all__ = ["ServerProcess", "free_port", "wait_for_port", "rdzv_server_redis", "rdzv_server_etcd"]
+__all__ = ["ServerProcess", "Placement", "LOOPBACK", "free_port", "wait_for_port", "rdzv_server_redis",
+           "rdzv_server_etcd"]
+
+T = TypeVar("T")
+
+
+def _call_here(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a server runs: the address it binds and how its command and checks reach that place.
+
+    Attributes:
+        bind_host: the address the server listens on (and clients use), e.g. ``"127.0.0.1"``.
+        command_prefix: argv put before the server's command (e.g. ``ip netns exec NS ...`` to run
+            it on a :class:`~conformance_tests.multihost.Host`); ``()`` runs it here.
+        call: ``call(fn)`` runs ``fn()`` where ``bind_host`` is reachable and returns its result
+            (the readiness checks go through it); the default calls ``fn`` in this thread.
+    """
+
+    bind_host: str = "127.0.0.1"
+    command_prefix: tuple[str, ...] = ()
+    call: Callable[[Callable[[], Any]], Any] = _call_here
+
+
+#: The default placement: this machine's loopback interface.
+LOOPBACK = Placement()
 
 
 _issued: set[int] = set()
@@ -59,15 +88,18 @@ def wait_for_port(host: str, port: int, deadline: float) -> bool:
 
 
 class ServerProcess:
-    """A server process on ``127.0.0.1:port`` with its own data directory.
+    """A server process on ``127.0.0.1:port`` (or a :class:`Placement`'s address) with its own data directory.
 
     Subclasses implement :meth:`command` (the argv) and may override
     :meth:`ready` (default: the port accepts connections). The port and data
     directory stay the same across :meth:`kill` / :meth:`start`, so a restart
     is the same server coming back.
 
+    Args:
+        placement: where the server runs (default :data:`LOOPBACK`: here, on ``127.0.0.1``).
+
     Attributes:
-        host: ``"127.0.0.1"``.
+        host: the address it listens on (``placement.bind_host``).
         port: the TCP port (int).
         data_dir: a private temporary directory (str).
     """
@@ -75,9 +107,10 @@ class ServerProcess:
     name = "server"
     start_timeout = 30.0
 
-    def __init__(self) -> None:
-        self.host = "127.0.0.1"
-        self.port = free_port(self.host)
+    def __init__(self, placement: Placement = LOOPBACK) -> None:
+        self.placement = placement
+        self.host = placement.bind_host
+        self.port = free_port()  # a port free here is free in a fresh namespace too
         self.data_dir = tempfile.mkdtemp(prefix=f"rdzv-{self.name}-")
         self.proc: subprocess.Popen[bytes] | None = None
         self.log_path = os.path.join(self.data_dir, "server.log")
@@ -99,15 +132,15 @@ class ServerProcess:
             return
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            list(self.command()), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
+            [*self.placement.command_prefix, *self.command()], stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 break
-            if self.ready():
+            if self.placement.call(self.ready):
                 return
         raise RuntimeError(f"{self.name} did not start on {self.address}; log: {self.tail_log()}")
 

@@ -34,6 +34,7 @@ class Launcher:
         gate: if given, the launcher imports everything first and starts only
             once this file exists (a pre-warmed node that joins on cue).
         module: the launcher module run with ``python -m`` (``torch.distributed.run`` for torchrun).
+        prefix: argv put before the command, e.g. a multi-host ``Host.command_prefix`` to run it on that host.
     """
 
     def __init__(
@@ -44,6 +45,7 @@ class Launcher:
         env: dict[str, str] | None = None,
         gate: str | None = None,
         module: str = "rdzv_agent.launcher",
+        prefix: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.argv = list(argv)
@@ -72,7 +74,7 @@ class Launcher:
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=full_env,
+                [*prefix, *cmd], stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=full_env,
                 start_new_session=True, cwd=workdir,
             )
         self.known: set[int] = set()

@@ -1,0 +1,574 @@
+"""Hosts on one machine: network namespaces on a private bridge, for multi-host tests with real partitions.
+
+:class:`Cluster` makes H hosts. One *switch* namespace holds a Linux bridge connected to no outside
+interface; each :class:`Host` is a network namespace with loopback up and one veth pair to the bridge,
+its own IPv4 address on a private /24 (the addresses exist only inside these namespaces, so concurrent
+clusters may use the same subnet), its own host name (a UTS namespace per command:
+``unshare --uts`` then ``hostname NAME``) and its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
+``/etc/netns/NS/hosts``), which lists only ``localhost`` unless a test asks for more
+(``resolve="self"`` / ``"all"`` or :meth:`Host.set_hosts`). Name lookups go nowhere else: each host's
+``resolv.conf`` names no server reachable from it.
+
+:meth:`Cluster.cut` sets the host's port on the bridge down: a *silent* partition. Its packets and
+the packets sent to it vanish (no RST, no ICMP; every host has permanent neighbour entries for the
+others, so no ARP failure turns into "no route to host"); the host keeps its address and routes.
+:meth:`Cluster.heal` sets the port up again.
+
+Processes: :meth:`Host.popen` starts a command on a host (environment and cwd as given); the PID
+is the command's own (``ip netns exec``, ``unshare`` and ``sh -c 'exec ...'`` each exec the next).
+:meth:`Host.processes` lists every process in the host's network namespace (all of them started
+from this harness), which :meth:`Host.signal`, :meth:`Host.stop` and :meth:`Host.kill` act on.
+:meth:`Host.start_redis` / :meth:`Host.start_etcd` start the project's server controllers on the
+host, listening on its address (:class:`~conformance_tests.servers.Placement`).
+
+Cleanup: every namespace name starts with ``rdzvmh-PID-START-`` (the creating process's PID and
+its start time in clock ticks). :meth:`Cluster.close` (also the context manager's exit, the pytest
+fixtures' teardown and an ``atexit`` hook) kills every process on the hosts, deletes the
+namespaces and their ``/etc/netns`` directories. A new cluster first removes *stale* namespaces:
+those whose creating process is gone (never those of a live run).
+
+Requires Linux, root, ``ip`` (iproute2), ``unshare`` and ``hostname``; :func:`unavailable_reason`
+says what is missing (the fixtures skip with it). Usage::
+
+    with Cluster(["server", "node0", "node1"]) as hosts:
+        redis = hosts["server"].start_redis()
+        proc = hosts["node0"].popen(["rdzv-run", "--rdzv", redis.url("job"), ...])
+        hosts.cut("node1"); ...; hosts.heal("node1")
+
+More: docs/networking.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+import pytest
+
+from .servers import Placement
+
+if TYPE_CHECKING:
+    from .etcd_server import EtcdServer
+    from .redis_server import RedisServer
+    from .servers import ServerProcess
+
+__all__ = ["Cluster", "Host", "MultiHostError", "unavailable_reason", "require", "cleanup_stale",
+           "PREFIX", "rdzv_hosts", "rdzv_hosts_module"]
+
+T = TypeVar("T")
+
+#: First part of every namespace name this harness creates.
+PREFIX = "rdzvmh"
+#: The hosts' subnet (a /24 inside the namespaces only): host ``i`` gets ``SUBNET.(i + 1)``.
+SUBNET = "10.231.7"
+NETNS_DIR = "/run/netns"
+ETC_NETNS = "/etc/netns"
+_CLONE_NEWNET = 0x40000000
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
+_OWNED = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-")
+_HOSTS_BASE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
+#: No name server: lookups of unknown names fail at once (127.0.0.1:53 answers nothing on a host).
+_RESOLV = "# rdzv multihost: no DNS on this host\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
+_TOOLS = ("ip", "unshare", "hostname")
+
+
+class MultiHostError(RuntimeError):
+    """The harness could not set up or change the hosts (the message says which command failed)."""
+
+
+def unavailable_reason() -> str | None:
+    """Why hosts cannot be made here (not Linux, not root, a missing tool), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return f"multi-host tests need Linux network namespaces (platform {sys.platform})"
+    if os.geteuid() != 0:
+        return "multi-host tests need root (network namespaces, veth pairs, a bridge)"
+    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
+    if missing:
+        return f"multi-host tests need {', '.join(missing)} on PATH (iproute2, util-linux)"
+    return None
+
+
+def require() -> None:
+    """``pytest.skip`` with the reason when hosts cannot be made here."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """Run ``ip ARGS``; raise :class:`MultiHostError` with its stderr if it fails and ``check``."""
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    if check and done.returncode != 0:
+        raise MultiHostError(f"'ip {' '.join(args)}' failed ({done.returncode}): {done.stderr.strip()}")
+    return done
+
+
+def _start_ticks(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or ``None``."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _owner_alive(name: str) -> bool:
+    """Whether the process that created namespace ``name`` is still running (same PID, same start)."""
+    match = _OWNED.match(name)
+    if match is None:
+        return True  # not ours: never touched
+    pid, start = int(match.group(1)), int(match.group(2))
+    return _start_ticks(pid) == start
+
+
+def _namespaces() -> list[str]:
+    """Names of the network namespaces ``ip netns`` knows."""
+    done = _ip("netns", "list", check=False)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+def _ns_inode(netns: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(os.path.join(NETNS_DIR, netns))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _pids_in(netns: str) -> list[int]:
+    """PIDs of the live (non-zombie) processes in network namespace ``netns``."""
+    target = _ns_inode(netns)
+    if target is None:
+        return []
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            st = os.stat(f"/proc/{entry}/ns/net")
+        except OSError:
+            continue  # gone, or a zombie (no namespace links)
+        if (st.st_dev, st.st_ino) == target:
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_and_wait(netns: str, pids: Iterable[int] | None, timeout: float = 10.0,
+                   reap: Callable[[], None] = lambda: None) -> None:
+    """SIGKILL ``pids`` (default: every process in ``netns``) and wait until they are gone."""
+    deadline = time.monotonic() + timeout
+    targets = set(_pids_in(netns) if pids is None else pids)
+    while targets and time.monotonic() < deadline:
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        reap()
+        time.sleep(0.01)
+        live = set(_pids_in(netns))
+        targets = live if pids is None else targets & live
+
+
+def _remove_namespace(netns: str) -> None:
+    _kill_and_wait(netns, None)
+    _ip("netns", "delete", netns, check=False)
+    shutil.rmtree(os.path.join(ETC_NETNS, netns), ignore_errors=True)
+
+
+def cleanup_stale() -> list[str]:
+    """Remove the namespaces (and ``/etc/netns`` directories) of harness runs whose creator is gone.
+
+    Namespaces of live runs, and any not made by this harness, are left alone. Returns the names removed.
+    """
+    removed = []
+    for netns in _namespaces():
+        if _OWNED.match(netns) and not _owner_alive(netns):
+            _remove_namespace(netns)
+            removed.append(netns)
+    with contextlib.suppress(OSError):
+        for leftover in os.listdir(ETC_NETNS):
+            if _OWNED.match(leftover) and not _owner_alive(leftover) and _ns_inode(leftover) is None:
+                shutil.rmtree(os.path.join(ETC_NETNS, leftover), ignore_errors=True)
+                removed.append(leftover)
+    return removed
+
+
+def _in_netns(netns: str, fn: Callable[[], T]) -> T:
+    """Run ``fn()`` in a new thread that has joined network namespace ``netns``; its result or exception."""
+    result: list[Any] = []
+
+    def body() -> None:
+        try:
+            fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY)
+            try:
+                if hasattr(os, "setns"):  # Python 3.12+
+                    os.setns(fd, _CLONE_NEWNET)
+                else:
+                    libc = ctypes.CDLL(None, use_errno=True)
+                    if libc.setns(fd, _CLONE_NEWNET) != 0:
+                        code = ctypes.get_errno()
+                        raise OSError(code, f"setns({netns}): {os.strerror(code)}")
+            finally:
+                os.close(fd)
+            result.append((True, fn()))
+        except BaseException as exc:  # handed to the caller's thread
+            result.append((False, exc))
+
+    thread = threading.Thread(target=body, name=f"netns-{netns}", daemon=True)
+    thread.start()
+    thread.join()
+    ok, value = result[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+class Host:
+    """One host of a :class:`Cluster`: a network namespace with an address, a host name and an ``/etc/hosts``.
+
+    Attributes:
+        name: the host name (``hostname`` and ``socket.getfqdn()`` on the host).
+        address: its IPv4 address (str), reachable from the other hosts of the cluster only.
+        netns: the network namespace's name.
+        index: its position in the cluster (0-based).
+    """
+
+    def __init__(self, cluster: "Cluster", index: int, name: str) -> None:
+        self.cluster = cluster
+        self.index = index
+        self.name = name
+        self.address = f"{SUBNET}.{index + 1}"
+        self.mac = f"02:72:64:7a:{index // 256:02x}:{index % 256:02x}"
+        self.netns = f"{cluster.prefix}-{name}"
+        self.port = f"p{index}"  # its veth end in the switch namespace
+        self._started: list[subprocess.Popen[Any]] = []
+
+    def __repr__(self) -> str:
+        return f"Host({self.name!r}, {self.address}, netns={self.netns!r})"
+
+    # -- commands ------------------------------------------------------------------------------
+
+    @property
+    def command_prefix(self) -> tuple[str, ...]:
+        """The argv put before a command to run it on this host (network, mount and UTS namespace)."""
+        return ("ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c",
+                'hostname "$0" && exec "$@"', self.name)
+
+    def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
+              stdin: Any = subprocess.DEVNULL, stdout: Any = None, stderr: Any = None,
+              start_new_session: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` on this host (``env``: the whole environment, default this process's).
+
+        The returned ``Popen``'s pid is the command's own. Other keyword arguments go to ``Popen``.
+        """
+        proc = subprocess.Popen([*self.command_prefix, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout,
+                                stderr=stderr, start_new_session=start_new_session, **kwargs)
+        self._started.append(proc)
+        return proc
+
+    def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: dict[str, str] | None = None,
+            cwd: str | None = None) -> subprocess.CompletedProcess[str]:
+        """Run ``argv`` on this host to its end; stdout and stderr captured as text.
+
+        Raises:
+            subprocess.TimeoutExpired: not done in ``timeout`` seconds (the process is killed).
+        """
+        proc = self.popen(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill([proc.pid])
+            proc.communicate()
+            raise
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` in a thread inside this host's network namespace (sockets it opens stay there)."""
+        return _in_netns(self.netns, fn)
+
+    def connect(self, address: str, port: int, timeout: float = 1.0) -> socket.socket:
+        """A TCP connection from this host to ``address:port`` (``OSError``/``TimeoutError`` as usual)."""
+        return self.call(lambda: socket.create_connection((address, port), timeout=timeout))
+
+    # -- processes -----------------------------------------------------------------------------
+
+    def processes(self) -> list[int]:
+        """PIDs of every live process on this host (its network namespace)."""
+        return _pids_in(self.netns)
+
+    def _checked(self, pids: Iterable[int] | None) -> list[int]:
+        live = self.processes()
+        if pids is None:
+            return live
+        chosen = list(pids)
+        foreign = [pid for pid in chosen if pid not in live and _start_ticks(pid) is not None]
+        if foreign:
+            raise ValueError(f"pids {foreign} are not processes on host {self.name}")
+        return chosen
+
+    def _reap(self) -> None:
+        for proc in self._started:
+            proc.poll()
+
+    def signal(self, sig: int, pids: Iterable[int] | None = None) -> list[int]:
+        """Send ``sig`` to ``pids`` (default: every process on this host); the pids signalled.
+
+        Raises:
+            ValueError: a pid that lives but not on this host.
+        """
+        sent = []
+        for pid in self._checked(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+                sent.append(pid)
+        return sent
+
+    def kill(self, pids: Iterable[int] | None = None, timeout: float = 10.0) -> None:
+        """SIGKILL ``pids`` (default: every process on this host) and wait (at most ``timeout`` s) until gone."""
+        chosen = None if pids is None else self._checked(pids)  # None: rescan (a launcher may start more)
+        _kill_and_wait(self.netns, chosen, timeout, self._reap)
+
+    def stop(self, pids: Iterable[int] | None = None, timeout: float = 5.0) -> None:
+        """SIGTERM ``pids`` (default: every process on this host), SIGKILL what is left after ``timeout`` s."""
+        chosen = self.signal(signal.SIGTERM, pids)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._reap()
+            if not set(chosen) & set(self.processes()):
+                return
+            time.sleep(0.02)
+        self.kill([pid for pid in chosen if pid in self.processes()])
+
+    # -- network -------------------------------------------------------------------------------
+
+    def set_hosts(self, known: Iterable["Host"] = ()) -> None:
+        """Write this host's ``/etc/hosts``: ``localhost`` and ``ADDRESS NAME`` of each host in ``known``.
+
+        Commands started afterwards see it (a running process re-reads it on its next lookup).
+        """
+        lines = _HOSTS_BASE + "".join(f"{h.address}\t{h.name}\n" for h in known)
+        etc = os.path.join(ETC_NETNS, self.netns)
+        os.makedirs(etc, exist_ok=True)
+        with open(os.path.join(etc, "hosts"), "w") as f:  # in place: a bind mount keeps the inode
+            f.write(lines)
+
+    def cut(self) -> None:
+        """Partition this host silently (its bridge port down): no packet in or out, no RST, no ICMP."""
+        _ip("-n", self.cluster.switch, "link", "set", self.port, "down")
+
+    def heal(self, timeout: float = 5.0) -> None:
+        """End :meth:`cut`: the bridge port up; returns once the host's link has carrier again.
+
+        Raises:
+            MultiHostError: no carrier after ``timeout`` seconds.
+        """
+        _ip("-n", self.cluster.switch, "link", "set", self.port, "up")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            shown = json.loads(_ip("-n", self.netns, "-j", "link", "show", "eth0").stdout)
+            if shown and shown[0].get("operstate") == "UP":
+                return
+            time.sleep(0.01)
+        raise MultiHostError(f"host {self.name}: link still down {timeout} s after heal")
+
+    # -- servers -------------------------------------------------------------------------------
+
+    @property
+    def placement(self) -> Placement:
+        """A server controller's placement on this host (binds :attr:`address`)."""
+        return Placement(bind_host=self.address, command_prefix=self.command_prefix, call=self.call)
+
+    def start_server(self, server: "ServerProcess") -> "ServerProcess":
+        """Start ``server`` (built with :attr:`placement`); it is stopped when the cluster closes."""
+        self.cluster._servers.append(server)
+        server.start()
+        return server
+
+    def start_redis(self, **kwargs: Any) -> "RedisServer":
+        """A started :class:`~conformance_tests.redis_server.RedisServer` on this host (``kwargs`` to it)."""
+        from .redis_server import RedisServer
+
+        server = RedisServer(placement=self.placement, **kwargs)
+        self.start_server(server)
+        return server
+
+    def start_etcd(self, **kwargs: Any) -> "EtcdServer":
+        """A started single-member :class:`~conformance_tests.etcd_server.EtcdServer` on this host."""
+        from .etcd_server import EtcdServer
+
+        server = EtcdServer(placement=self.placement, **kwargs)
+        self.start_server(server)
+        return server
+
+
+_live: "set[Cluster]" = set()
+_counter = 0
+_counter_lock = threading.Lock()
+
+
+class Cluster:
+    """H hosts on one private bridge (see the module docstring). Closed by :meth:`close` or ``with``.
+
+    Args:
+        names: the hosts' names (lower-case letters, digits and ``-``), or a count (``host0``, ...).
+        resolve: what each ``/etc/hosts`` lists besides ``localhost``: ``"none"`` (default: no host
+            can resolve a host name), ``"self"`` (its own name) or ``"all"`` (every host).
+
+    Raises:
+        pytest's skip exception: :func:`unavailable_reason` says hosts cannot be made here.
+        ValueError: a bad or repeated name, or a bad ``resolve``.
+        MultiHostError: a namespace, link or address could not be set up (everything made is removed).
+    """
+
+    def __init__(self, names: Sequence[str] | int, *, resolve: str = "none") -> None:
+        global _counter
+        require()
+        names = [f"host{i}" for i in range(names)] if isinstance(names, int) else list(names)
+        bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
+        if bad or len(set(names)) != len(names) or not 0 < len(names) <= 250:
+            raise ValueError(f"host names must be 1 to 250 distinct names of a-z, 0-9 and '-': {names!r}")
+        if resolve not in ("none", "self", "all"):
+            raise ValueError(f"resolve must be 'none', 'self' or 'all', not {resolve!r}")
+        with _counter_lock:
+            _counter += 1
+            seq = _counter
+        self.prefix = f"{PREFIX}-{os.getpid()}-{_start_ticks(os.getpid())}-{seq}"
+        self.switch = f"{self.prefix}-switch"
+        self.bridge = f"br{os.getpid()}"
+        self.hosts: list[Host] = []
+        self._servers: list[ServerProcess] = []
+        self._closed = False
+        cleanup_stale()
+        _live.add(self)
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge", "forward_delay", "0")
+            _ip("-n", self.switch, "link", "set", self.bridge, "up")
+            for name in names:
+                self.add_host(name)
+            for host in self.hosts:
+                host.set_hosts({"none": [], "self": [host], "all": self.hosts}[resolve])
+        except BaseException:
+            self.close()
+            raise
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getitem__(self, key: int | str) -> Host:
+        if isinstance(key, int):
+            return self.hosts[key]
+        for host in self.hosts:
+            if host.name == key:
+                return host
+        raise KeyError(f"no host {key!r} (hosts: {[h.name for h in self.hosts]})")
+
+    def __iter__(self) -> Iterator[Host]:
+        return iter(self.hosts)
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def _host(self, host: Host | str) -> Host:
+        return host if isinstance(host, Host) else self[host]
+
+    def add_host(self, name: str) -> Host:
+        """A new host on the bridge (its ``/etc/hosts`` lists only ``localhost``)."""
+        if not _NAME.match(name) or any(h.name == name for h in self.hosts):
+            raise ValueError(f"bad or repeated host name {name!r}")
+        host = Host(self, len(self.hosts), name)
+        self.hosts.append(host)
+        os.makedirs(os.path.join(ETC_NETNS, host.netns), exist_ok=True)
+        with open(os.path.join(ETC_NETNS, host.netns, "resolv.conf"), "w") as f:
+            f.write(_RESOLV)
+        host.set_hosts()
+        _ip("netns", "add", host.netns)
+        _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", "eth0",
+            "netns", host.netns, "address", host.mac)
+        _ip("-n", self.switch, "link", "set", host.port, "master", self.bridge, "up")
+        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _ip("-n", host.netns, "link", "set", "eth0", "up")
+        _ip("-n", host.netns, "link", "set", "lo", "up")
+        for other in self.hosts[:-1]:  # permanent neighbours: a cut host's packets vanish, never "no route"
+            _ip("-n", host.netns, "neigh", "replace", other.address, "lladdr", other.mac, "dev", "eth0",
+                "nud", "permanent")
+            _ip("-n", other.netns, "neigh", "replace", host.address, "lladdr", host.mac, "dev", "eth0",
+                "nud", "permanent")
+        return host
+
+    def cut(self, host: Host | str) -> None:
+        """:meth:`Host.cut` of ``host`` (a :class:`Host` or its name)."""
+        self._host(host).cut()
+
+    def heal(self, host: Host | str) -> None:
+        """:meth:`Host.heal` of ``host`` (a :class:`Host` or its name)."""
+        self._host(host).heal()
+
+    def namespaces(self) -> list[str]:
+        """The names of every namespace this cluster made (hosts and switch)."""
+        return [self.switch, *(h.netns for h in self.hosts)]
+
+    def close(self) -> None:
+        """Stop the servers, kill every process on the hosts, delete the namespaces. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for server in self._servers:
+            with contextlib.suppress(OSError, RuntimeError):
+                server.stop()
+        for host in self.hosts:
+            host.kill()
+        for netns in reversed(self.namespaces()):
+            _remove_namespace(netns)
+        _live.discard(self)
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_live):
+        with contextlib.suppress(Exception):
+            cluster.close()
+
+
+def _factory() -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(names: Sequence[str] | int, *, resolve: str = "none") -> Cluster:
+        cluster = Cluster(names, resolve=resolve)
+        made.append(cluster)
+        return cluster
+
+    try:
+        yield make
+    finally:
+        for cluster in made:
+            cluster.close()
+
+
+@pytest.fixture
+def rdzv_hosts() -> Iterator[Callable[..., Cluster]]:
+    """``make(names, resolve="none") -> Cluster``; every cluster made is closed after the test (or a skip
+    with the reason where hosts cannot be made)."""
+    require()
+    yield from _factory()
+
+
+@pytest.fixture(scope="module")
+def rdzv_hosts_module() -> Iterator[Callable[..., Cluster]]:
+    """As ``rdzv_hosts``, closed after the module: share one set of hosts among a module's tests."""
+    require()
+    yield from _factory()
