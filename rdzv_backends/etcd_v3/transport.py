@@ -33,13 +33,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: gRPC channel options: no 4 MiB cap on answers (a list of large values),
-#: and quick reconnection after a server restart (gRPC's default backoff grows to 120 s).
+#: quick reconnection after a server restart (gRPC's default backoff grows to 120 s), and HTTP/2
+#: keep-alive pings while calls are active, so that a connection whose packets vanish (a partition: no
+#: RST) is closed and made again instead of waiting out TCP's retransmission backoff after the heal
+#: (seen: 32 s; etcd refuses pings more often than its --grpc-keepalive-min-time, 5 s by default).
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 #: Shortest time given to one RPC attempt (seconds).
 _MIN_TRY = 0.05
