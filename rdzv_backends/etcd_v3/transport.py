@@ -144,7 +144,7 @@ class Transport:
         self.settings = settings
         self._check_open = check_open
         self._is_closed = is_closed
-        self._endpoints = Endpoints(len(settings.endpoints))
+        self.endpoints = Endpoints(len(settings.endpoints))
         self.eps = [Endpoint(host, port, settings) for host, port in settings.endpoints]
         self._token: str | None = None
         self._token_lock = threading.Lock()
@@ -206,7 +206,7 @@ class Transport:
         refused = True  # every failure so far reached no server
         tried = False  # every call makes at least one attempt, even with no time left
         while True:
-            for index in self._endpoints.order():
+            for index in self.endpoints.order():
                 self._check_open()
                 per_try = deadline.attempt()
                 if per_try <= 0 and tried:
@@ -233,7 +233,7 @@ class Transport:
                             ) from None
                         raise ServerError(f"etcd at {ep.target} refused {what}: {details}", code.name,
                                           details) from None
-                    self._endpoints.failed(index)
+                    self.endpoints.failed(index)
                     deadline.failed()
                     if failure is Failure.TIMED_OUT:
                         deadline.timed_out()
@@ -248,7 +248,7 @@ class Transport:
                     if self._is_closed():
                         raise BackendClosed(f"EtcdV3Backend was closed during {what}") from None
                     raise
-                self._endpoints.worked(index)
+                self.endpoints.worked(index)
                 header = getattr(answer, "header", None)
                 if header is not None and header.revision > self.seen:
                     self.seen = int(header.revision)  # unlocked: a lost update only makes Tries.seen more cautious
