@@ -67,13 +67,15 @@ def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme
     try:
         for name in NODES[:2]:
             job.start(name, "3:3", pg_timeout=120.0)
-        wait_for(lambda: job.state().get("joined") == 2, START, "two nodes joined", job)
+        joined, _ = wait_for(lambda: (s := job.state()).get("joined") == 2 and s, START, "two nodes joined", job)
         first = _member_host(cluster, leader)
         cut = time.time()
         hosts.cut(first)
         job.start(NODES[2], "3:3", pg_timeout=120.0)
         _, trained = wait_for(lambda: job.training(NODES, 3, cut), FORM, "a round of 3 training", job)
         formed = job.state()
+        assert (formed["version"], formed.get("id")) == (joined["version"], joined.get("id")), \
+            "the round the two nodes had joined before the cut was lost"
         assert {r["restart"] for r in job.steps(cut)} == {0}
         cluster.leader(exclude=leader)  # the majority elected another leader
         hosts.heal(first)
