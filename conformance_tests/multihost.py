@@ -242,7 +242,10 @@ class Host:
         address: its IPv4 address (str), reachable from the other hosts of the cluster only.
         netns: the network namespace's name.
         index: its position in the cluster (0-based).
+        interface: the name of its network interface (``"eth0"``; e.g. for ``GLOO_SOCKET_IFNAME``).
     """
+
+    interface = "eth0"
 
     def __init__(self, cluster: "Cluster", index: int, name: str) -> None:
         self.cluster = cluster
@@ -376,7 +379,7 @@ class Host:
         _ip("-n", self.cluster.switch, "link", "set", self.port, "up")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            shown = json.loads(_ip("-n", self.netns, "-j", "link", "show", "eth0").stdout)
+            shown = json.loads(_ip("-n", self.netns, "-j", "link", "show", self.interface).stdout)
             if shown and shown[0].get("operstate") == "UP":
                 return
             time.sleep(0.01)
@@ -497,16 +500,16 @@ class Cluster:
             f.write(_RESOLV)
         host.set_hosts()
         _ip("netns", "add", host.netns)
-        _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", "eth0",
+        _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", host.interface,
             "netns", host.netns, "address", host.mac)
         _ip("-n", self.switch, "link", "set", host.port, "master", self.bridge, "up")
-        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-        _ip("-n", host.netns, "link", "set", "eth0", "up")
+        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.interface)
+        _ip("-n", host.netns, "link", "set", host.interface, "up")
         _ip("-n", host.netns, "link", "set", "lo", "up")
         for other in self.hosts[:-1]:  # permanent neighbours: a cut host's packets vanish, never "no route"
-            _ip("-n", host.netns, "neigh", "replace", other.address, "lladdr", other.mac, "dev", "eth0",
+            _ip("-n", host.netns, "neigh", "replace", other.address, "lladdr", other.mac, "dev", host.interface,
                 "nud", "permanent")
-            _ip("-n", other.netns, "neigh", "replace", host.address, "lladdr", host.mac, "dev", "eth0",
+            _ip("-n", other.netns, "neigh", "replace", host.address, "lladdr", host.mac, "dev", other.interface,
                 "nud", "permanent")
         return host
 

@@ -23,6 +23,8 @@ import re
 import socket
 from typing import Any
 
+from rdzv_core.address import published_address
+
 __all__ = [
     "MASTER_KEY",
     "choose_port",
@@ -72,9 +74,10 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def local_address(configured: str | None = None) -> str:
-    """The address to publish as MASTER_ADDR: ``configured`` or this host's FQDN."""
-    return configured or socket.getfqdn()
+def local_address(configured: str | None = None, handler: Any = None) -> str:
+    """The address to publish as MASTER_ADDR: ``configured``, else by :mod:`rdzv_core.address`'s rule
+    with the backend endpoints of ``handler`` (its ``endpoints``; none for a handler without them)."""
+    return published_address(configured, getattr(handler, "endpoints", ()))
 
 
 def publish(store: Any, addr: str, port: int) -> None:

@@ -260,7 +260,7 @@ class SimpleElasticAgent(ElasticAgent):
             if not worker_group.use_agent_store:
                 if group_rank == 0:
                     port = spec.master_port if spec.master_port is not None else master.choose_port()
-                    master.publish(store, master.local_address(spec.local_addr), port)
+                    master.publish(store, master.local_address(spec.local_addr, spec.rdzv_handler), port)
                 raw = coordination.wait_values(store, [master.MASTER_KEY], *wait)[0]
                 worker_group.master_addr, worker_group.master_port = master.decode(raw)
             with self._telemetry.duration("ASSIGN_WORKER_RANKS"):

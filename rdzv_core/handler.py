@@ -29,7 +29,7 @@ import logging
 import os
 import random
 import time
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
@@ -37,6 +37,7 @@ from torch.distributed.elastic.events.api import NodeState
 from torch.distributed.elastic.rendezvous import api as torch_api
 
 from . import errors
+from .address import Endpoint, published_address
 from .kv import KVBackend
 from .outage import OutageLog
 from .plugins import parse_backend_url
@@ -104,9 +105,10 @@ class RdzvHandler(torch_api.RendezvousHandler):
         run_id: the run id.
         params: :class:`~rdzv_core.rendezvous.RendezvousParams`.
         backend_name: what :meth:`get_backend` returns (the URL scheme).
-        local_addr: address rank 0 publishes as MASTER_ADDR (default: this host's FQDN).
+        local_addr: address rank 0 publishes as MASTER_ADDR (default: :mod:`rdzv_core.address`'s rule).
         on_progress: callback receiving :class:`~rdzv_core.rendezvous.Progress` while waiting.
         store_timeout: default timeout of the returned store (seconds, default 300).
+        endpoints: the backend's ``(host, port)`` pairs, for that rule (``()``: no network endpoint).
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class RdzvHandler(torch_api.RendezvousHandler):
         local_addr: str | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         store_timeout: float = 300.0,
+        endpoints: Sequence[Endpoint] = (),
     ) -> None:
         self._kv = kv
+        self._endpoints = tuple(endpoints)
         self._rdzv = Rendezvous(kv, run_id, params, on_progress=on_progress)
         self._backend_name = backend_name
         self._local_addr = local_addr
@@ -159,6 +163,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             local_addr=settings.get("local_addr"),
             on_progress=settings.get("on_progress"),
             store_timeout=float(settings.get("store_timeout", 300.0)),
+            endpoints=parsed.hosts if info.spec.capabilities.multi_host else (),
         )
 
     def _record(self, method: str, message: str, state: NodeState = NodeState.RUNNING, rank: int | None = None,
@@ -179,6 +184,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
             self._record("_keep_alive", f"The node '{node}' has failed to send a keep-alive heartbeat to the "
                                         f"rendezvous '{run_id}' due to an error of type {type(error).__name__}.",
                          NodeState.FAILED)
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The backend's ``(host, port)`` endpoints (``()`` for backends without a network endpoint)."""
+        return self._endpoints
 
     @property
     def rendezvous(self) -> Rendezvous:
@@ -214,7 +224,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         wait = datetime.timedelta(seconds=min(self._store_timeout.total_seconds(), self.params.timeout))
         try:
             bootstrap_store = KVStore(self._kv, prefix, wait)
-            bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, bootstrap_store, self._local_addr)
+            local_addr = published_address(self._local_addr, self._endpoints) if result.rank == 0 else None
+            bootstrap = torch_api.RendezvousStoreInfo.build(result.rank, bootstrap_store, local_addr)
         except dist.DistNetworkError as exc:
             raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         except dist.DistStoreError as exc:
