@@ -55,8 +55,8 @@ def _member_host(cluster: EtcdCluster, member) -> str:
 
 
 @pytest.mark.parametrize("scheme", list(RESOLUTION))
-def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme, cluster, hosts,
-                                                                           tmp_path) -> None:
+def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme, cluster, hosts, tmp_path,
+                                                                           record_property) -> None:
     """node0 and node1 wait in a joinable round; the leader's host is cut; node2 starts: the three form a round
     of 3 and train (nobody raises, no failure restart). Healed; then the new leader's host is cut while they
     train: the same workers train on in the same round past the time an unrefreshed key would have expired."""
@@ -96,8 +96,8 @@ def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme
         for n in NODES:
             assert job.pids(n, cut2) == pids[n], f"{n}'s workers were restarted when the leader was cut off"
         assert rounds_consistent(job.records()) == []
-        print(f"\nRESULT etcd-cluster {scheme}: round of 3 (version {formed['version']}) trained "
-              f"{trained - cut:.2f} s after the leader's cut; training went on through the second cut")
+        record_property("summary", f"the joined round of 3 training {trained - cut:.2f} s after the cut (third "
+                                   "node's start included); no restart through the second cut")
     finally:
         kill_run(list(job.nodes.values()), [job.run_id])
         observer.close()

@@ -63,7 +63,8 @@ def _all_training(job: HostJob, after: float, steps: int = 1) -> bool:
     return job.training(NODES, 3, after, steps)
 
 
-def test_a_server_partition_shorter_than_the_ttl_changes_nothing_a_longer_one_re_forms_once(job, hosts) -> None:
+def test_a_server_partition_shorter_than_the_ttl_changes_nothing_a_longer_one_re_forms_once(job, hosts,
+                                                                                          record_property) -> None:
     """Short (1 s): the same workers train on, no restart, the same round. Longer than ``keep_alive_ttl``
     (every key expires on the server): the workers train on through it (the backend is not in the data
     path); after the heal every node re-rendezvouses once -- a membership restart, no failure restart -- and
@@ -106,11 +107,11 @@ def test_a_server_partition_shorter_than_the_ttl_changes_nothing_a_longer_one_re
     assert state["version"] > before["version"] and state["participants"] == 3, state
     assert {r["restart"] for r in job.steps(healed)} == {0}, "a failure restart was spent"
     assert rounds_consistent(job.records()) == []
-    print(f"\nRESULT server-partition {job.backend.scheme}: short {SHORT_CUT} s no restart; long {long_cut:.1f} s: "
-          f"re-formed at 3 {trained - healed:.2f} s after the heal")
+    record_property("summary", f"{SHORT_CUT:.0f} s: no restart; {long_cut:.1f} s: re-formed at 3 "
+                               f"{trained - healed:.2f} s after the heal")
 
 
-def test_a_partitioned_node_is_replaced_at_once_and_rejoins_after_the_heal(job, hosts) -> None:
+def test_a_partitioned_node_is_replaced_at_once_and_rejoins_after_the_heal(job, hosts, record_property) -> None:
     """node2's host cut off: node0 and node1 form a round of 2 within ``keep_alive_ttl + 3 s`` and train at
     world size 2; node2's workers never make a step after the cut. Healed after 30 s, node2's agent finds its
     round gone, stops its stale workers and joins: the run (max 3) is not full, so the three train at world
@@ -137,5 +138,5 @@ def test_a_partitioned_node_is_replaced_at_once_and_rejoins_after_the_heal(job, 
     assert late == [], f"the cut-off node trained on its stale rank: {late[:3]}"
     assert {r["restart"] for n in others for r in job.steps_at(n, 2, cut)} == {0}
     assert rounds_consistent(job.records()) == []
-    print(f"\nRESULT node-partition {job.backend.scheme}: round of 2 {formed - cut:.2f} s after the cut, "
-          f"training at 2 {trained - cut:.2f} s; rejoined at 3 {rejoined - healed:.2f} s after the heal")
+    record_property("summary", f"round of 2 {formed - cut:.2f} s after the cut, training at 2 {trained - cut:.2f} s; "
+                               f"all 3 training {rejoined - healed:.2f} s after the heal")
