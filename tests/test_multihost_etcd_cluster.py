@@ -58,7 +58,7 @@ def _member_host(cluster: EtcdCluster, member) -> str:
 def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme, cluster, hosts, tmp_path,
                                                                            record_property) -> None:
     """node0 and node1 wait in a joinable round; the leader's host is cut; node2 starts: the three form a round
-    of 3 and train (nobody raises, no failure restart). Healed; then the new leader's host is cut while they
+    of 3 -- the one the two had joined, or the next -- and train (nobody raises, no failure restart). Healed; then the new leader's host is cut while they
     train: the same workers train on in the same round past the time an unrefreshed key would have expired."""
     leader = cluster.leader()
     backend = Backend(scheme, cluster.endpoints(first=leader))
@@ -74,8 +74,11 @@ def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme
         job.start(NODES[2], "3:3", pg_timeout=120.0)
         _, trained = wait_for(lambda: job.training(NODES, 3, cut), FORM, "a round of 3 training", job)
         formed = job.state()
-        assert (formed["version"], formed.get("id")) == (joined["version"], joined.get("id")), \
-            "the round the two nodes had joined before the cut was lost"
+        # The joined round itself, or -- when a member waited on the cut member's silent watch longer than
+        # keep_alive_ttl, so that the confirmed ones destroyed the stalled frozen round -- the next one.
+        assert formed["participants"] == 3 and formed["version"] in (joined["version"], joined["version"] + 1), \
+            (joined, formed)
+        same = formed.get("id") == joined.get("id")
         assert {r["restart"] for r in job.steps(cut)} == {0}
         cluster.leader(exclude=leader)  # the majority elected another leader
         hosts.heal(first)
@@ -96,8 +99,9 @@ def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme
         for n in NODES:
             assert job.pids(n, cut2) == pids[n], f"{n}'s workers were restarted when the leader was cut off"
         assert rounds_consistent(job.records()) == []
-        record_property("summary", f"the joined round of 3 training {trained - cut:.2f} s after the cut (third "
-                                   "node's start included); no restart through the second cut")
+        which = "the joined round" if same else "the next round"
+        record_property("summary", f"{which} of 3 training {trained - cut:.2f} s after the cut (third node's start "
+                                   "included); no restart through the second cut")
     finally:
         kill_run(list(job.nodes.values()), [job.run_id])
         observer.close()
