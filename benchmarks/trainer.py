@@ -10,9 +10,10 @@ each launcher: the launchers pass their environment to their workers)::
 
     {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "master", "step", "t"}
 
-``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``. Before the first step it writes one ``start`` line with the same
-fields and ``"sum"`` (the first ``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when
-every rank is distinct). It stops when asked, by files in ``OUT``:
+``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``.
+Before the first step it writes one ``start`` line with the same fields and ``"sum"`` (the first
+``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct).
+It stops when asked, by files in ``OUT``:
 
 ``stop-all`` or ``stop-<NODE>``   finish the current step, destroy the group, exit 0 (with
                                   ``--collective``: every rank stops at the step one of them saw it)

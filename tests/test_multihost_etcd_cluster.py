@@ -58,8 +58,9 @@ def _member_host(cluster: EtcdCluster, member) -> str:
 def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme, cluster, hosts, tmp_path,
                                                                            record_property) -> None:
     """node0 and node1 wait in a joinable round; the leader's host is cut; node2 starts: the three form a round
-    of 3 -- the one the two had joined, or the next -- and train (nobody raises, no failure restart). Healed; then the new leader's host is cut while they
-    train: the same workers train on in the same round past the time an unrefreshed key would have expired."""
+    of 3 -- the one the two had joined, or the next -- and train (nobody raises, no failure restart). Healed;
+    then the new leader's host is cut while they train: the same workers train on in the same round past the
+    time an unrefreshed key would have expired."""
     leader = cluster.leader()
     backend = Backend(scheme, cluster.endpoints(first=leader))
     observer = Observer(hosts["node0"], backend.base_url())
