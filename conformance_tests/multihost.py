@@ -3,9 +3,9 @@
 :class:`Cluster` makes H hosts. One *switch* namespace holds a Linux bridge connected to no outside
 interface; each :class:`Host` is a network namespace with loopback up and one veth pair to the bridge,
 its own IPv4 address on a private /24 (the addresses exist only inside these namespaces, so concurrent
-clusters may use the same subnet), its own host name (a UTS namespace per command:
-``unshare --uts`` then ``hostname NAME``) and its own ``/etc/hosts`` (``ip netns exec`` bind-mounts
-``/etc/netns/NS/hosts``), which lists only ``localhost`` unless a test asks for more
+clusters may use the same subnet), its own host name (a UTS namespace per command: ``unshare --uts``,
+then the name written to ``/proc/sys/kernel/hostname``) and its own ``/etc/hosts`` (``ip netns exec``
+bind-mounts ``/etc/netns/NS/hosts``), which lists only ``localhost`` unless a test asks for more
 (``resolve="self"`` / ``"all"`` or :meth:`Host.set_hosts`). Name lookups go nowhere else: each host's
 ``resolv.conf`` names no server reachable from it.
 
@@ -27,7 +27,7 @@ fixtures' teardown and an ``atexit`` hook) kills every process on the hosts, del
 namespaces and their ``/etc/netns`` directories. A new cluster first removes *stale* namespaces:
 those whose creating process is gone (never those of a live run).
 
-Requires Linux, root, ``ip`` (iproute2), ``unshare`` and ``hostname``; :func:`unavailable_reason`
+Requires Linux, root, ``ip`` (iproute2) and ``unshare`` (util-linux); :func:`unavailable_reason`
 says what is missing (the fixtures skip with it). Usage::
 
     with Cluster(["server", "node0", "node1"]) as hosts:
@@ -42,21 +42,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence, TypeVar
 
 import pytest
 
+from .netns import (ETC_NETNS, NETNS_DIR, PREFIX, MultiHostError, cleanup_stale, in_netns, ip, kill_and_wait,
+                    namespaces, pids_in, remove_namespace, start_ticks, unavailable_reason, wait_entered)
 from .servers import Placement
 
 if TYPE_CHECKING:
@@ -64,40 +63,17 @@ if TYPE_CHECKING:
     from .redis_server import RedisServer
     from .servers import ServerProcess
 
-__all__ = ["Cluster", "Host", "MultiHostError", "unavailable_reason", "require", "cleanup_stale",
-           "PREFIX", "rdzv_hosts", "rdzv_hosts_module"]
+__all__ = ["Cluster", "Host", "MultiHostError", "unavailable_reason", "require", "cleanup_stale", "namespaces",
+           "PREFIX", "NETNS_DIR", "ETC_NETNS", "rdzv_hosts", "rdzv_hosts_module"]
 
 T = TypeVar("T")
 
-#: First part of every namespace name this harness creates.
-PREFIX = "rdzvmh"
 #: The hosts' subnet (a /24 inside the namespaces only): host ``i`` gets ``SUBNET.(i + 1)``.
 SUBNET = "10.231.7"
-NETNS_DIR = "/run/netns"
-ETC_NETNS = "/etc/netns"
-_CLONE_NEWNET = 0x40000000
 _NAME = re.compile(r"^[a-z0-9]([a-z0-9-]{0,30}[a-z0-9])?$")
-_OWNED = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-")
 _HOSTS_BASE = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n"
 #: No name server: lookups of unknown names fail at once (127.0.0.1:53 answers nothing on a host).
 _RESOLV = "# rdzv multihost: no DNS on this host\nnameserver 127.0.0.1\noptions timeout:1 attempts:1\n"
-_TOOLS = ("ip", "unshare", "hostname")
-
-
-class MultiHostError(RuntimeError):
-    """The harness could not set up or change the hosts (the message says which command failed)."""
-
-
-def unavailable_reason() -> str | None:
-    """Why hosts cannot be made here (not Linux, not root, a missing tool), or ``None``."""
-    if not sys.platform.startswith("linux"):
-        return f"multi-host tests need Linux network namespaces (platform {sys.platform})"
-    if os.geteuid() != 0:
-        return "multi-host tests need root (network namespaces, veth pairs, a bridge)"
-    missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
-    if missing:
-        return f"multi-host tests need {', '.join(missing)} on PATH (iproute2, util-linux)"
-    return None
 
 
 def require() -> None:
@@ -105,133 +81,6 @@ def require() -> None:
     reason = unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Run ``ip ARGS``; raise :class:`MultiHostError` with its stderr if it fails and ``check``."""
-    done = subprocess.run(["ip", *args], capture_output=True, text=True, stdin=subprocess.DEVNULL)
-    if check and done.returncode != 0:
-        raise MultiHostError(f"'ip {' '.join(args)}' failed ({done.returncode}): {done.stderr.strip()}")
-    return done
-
-
-def _start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks since boot (``/proc/PID/stat`` field 22), or ``None``."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return int(f.read().rsplit(b")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _owner_alive(name: str) -> bool:
-    """Whether the process that created namespace ``name`` is still running (same PID, same start)."""
-    match = _OWNED.match(name)
-    if match is None:
-        return True  # not ours: never touched
-    pid, start = int(match.group(1)), int(match.group(2))
-    return _start_ticks(pid) == start
-
-
-def _namespaces() -> list[str]:
-    """Names of the network namespaces ``ip netns`` knows."""
-    done = _ip("netns", "list", check=False)
-    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
-
-
-def _ns_inode(netns: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(os.path.join(NETNS_DIR, netns))
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _pids_in(netns: str) -> list[int]:
-    """PIDs of the live (non-zombie) processes in network namespace ``netns``."""
-    target = _ns_inode(netns)
-    if target is None:
-        return []
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            st = os.stat(f"/proc/{entry}/ns/net")
-        except OSError:
-            continue  # gone, or a zombie (no namespace links)
-        if (st.st_dev, st.st_ino) == target:
-            pids.append(int(entry))
-    return pids
-
-
-def _kill_and_wait(netns: str, pids: Iterable[int] | None, timeout: float = 10.0,
-                   reap: Callable[[], None] = lambda: None) -> None:
-    """SIGKILL ``pids`` (default: every process in ``netns``) and wait until they are gone."""
-    deadline = time.monotonic() + timeout
-    targets = set(_pids_in(netns) if pids is None else pids)
-    while targets and time.monotonic() < deadline:
-        for pid in targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        reap()
-        time.sleep(0.01)
-        live = set(_pids_in(netns))
-        targets = live if pids is None else targets & live
-
-
-def _remove_namespace(netns: str) -> None:
-    _kill_and_wait(netns, None)
-    _ip("netns", "delete", netns, check=False)
-    shutil.rmtree(os.path.join(ETC_NETNS, netns), ignore_errors=True)
-
-
-def cleanup_stale() -> list[str]:
-    """Remove the namespaces (and ``/etc/netns`` directories) of harness runs whose creator is gone.
-
-    Namespaces of live runs, and any not made by this harness, are left alone. Returns the names removed.
-    """
-    removed = []
-    for netns in _namespaces():
-        if _OWNED.match(netns) and not _owner_alive(netns):
-            _remove_namespace(netns)
-            removed.append(netns)
-    with contextlib.suppress(OSError):
-        for leftover in os.listdir(ETC_NETNS):
-            if _OWNED.match(leftover) and not _owner_alive(leftover) and _ns_inode(leftover) is None:
-                shutil.rmtree(os.path.join(ETC_NETNS, leftover), ignore_errors=True)
-                removed.append(leftover)
-    return removed
-
-
-def _in_netns(netns: str, fn: Callable[[], T]) -> T:
-    """Run ``fn()`` in a new thread that has joined network namespace ``netns``; its result or exception."""
-    result: list[Any] = []
-
-    def body() -> None:
-        try:
-            fd = os.open(os.path.join(NETNS_DIR, netns), os.O_RDONLY)
-            try:
-                if hasattr(os, "setns"):  # Python 3.12+
-                    os.setns(fd, _CLONE_NEWNET)
-                else:
-                    libc = ctypes.CDLL(None, use_errno=True)
-                    if libc.setns(fd, _CLONE_NEWNET) != 0:
-                        code = ctypes.get_errno()
-                        raise OSError(code, f"setns({netns}): {os.strerror(code)}")
-            finally:
-                os.close(fd)
-            result.append((True, fn()))
-        except BaseException as exc:  # handed to the caller's thread
-            result.append((False, exc))
-
-    thread = threading.Thread(target=body, name=f"netns-{netns}", daemon=True)
-    thread.start()
-    thread.join()
-    ok, value = result[0]
-    if not ok:
-        raise value
-    return value  # type: ignore[no-any-return]
 
 
 class Host:
@@ -264,20 +113,25 @@ class Host:
 
     @property
     def command_prefix(self) -> tuple[str, ...]:
-        """The argv put before a command to run it on this host (network, mount and UTS namespace)."""
+        """The argv put before a command to run it on this host (network, mount and UTS namespace).
+
+        The shell sets the host name with its ``echo`` builtin (no child process) and execs the command.
+        """
         return ("ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c",
-                'hostname "$0" && exec "$@"', self.name)
+                'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', self.name)
 
     def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
               stdin: Any = subprocess.DEVNULL, stdout: Any = None, stderr: Any = None,
               start_new_session: bool = True, **kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` on this host (``env``: the whole environment, default this process's).
 
-        The returned ``Popen``'s pid is the command's own. Other keyword arguments go to ``Popen``.
+        Returns once the process is on the host (in its network namespace), or has ended. The
+        returned ``Popen``'s pid is the command's own. Other keyword arguments go to ``Popen``.
         """
         proc = subprocess.Popen([*self.command_prefix, *argv], env=env, cwd=cwd, stdin=stdin, stdout=stdout,
                                 stderr=stderr, start_new_session=start_new_session, **kwargs)
         self._started.append(proc)
+        wait_entered(proc.pid, self.netns)  # so that processes(), kill(pid), ... see it at once
         return proc
 
     def run(self, argv: Sequence[str], *, timeout: float = 60.0, env: dict[str, str] | None = None,
@@ -298,7 +152,7 @@ class Host:
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` in a thread inside this host's network namespace (sockets it opens stay there)."""
-        return _in_netns(self.netns, fn)
+        return in_netns(self.netns, fn)
 
     def connect(self, address: str, port: int, timeout: float = 1.0) -> socket.socket:
         """A TCP connection from this host to ``address:port`` (``OSError``/``TimeoutError`` as usual)."""
@@ -308,14 +162,14 @@ class Host:
 
     def processes(self) -> list[int]:
         """PIDs of every live process on this host (its network namespace)."""
-        return _pids_in(self.netns)
+        return pids_in(self.netns)
 
     def _checked(self, pids: Iterable[int] | None) -> list[int]:
         live = self.processes()
         if pids is None:
             return live
         chosen = list(pids)
-        foreign = [pid for pid in chosen if pid not in live and _start_ticks(pid) is not None]
+        foreign = [pid for pid in chosen if pid not in live and start_ticks(pid) is not None]
         if foreign:
             raise ValueError(f"pids {foreign} are not processes on host {self.name}")
         return chosen
@@ -340,7 +194,7 @@ class Host:
     def kill(self, pids: Iterable[int] | None = None, timeout: float = 10.0) -> None:
         """SIGKILL ``pids`` (default: every process on this host) and wait (at most ``timeout`` s) until gone."""
         chosen = None if pids is None else self._checked(pids)  # None: rescan (a launcher may start more)
-        _kill_and_wait(self.netns, chosen, timeout, self._reap)
+        kill_and_wait(self.netns, chosen, timeout, self._reap)
 
     def stop(self, pids: Iterable[int] | None = None, timeout: float = 5.0) -> None:
         """SIGTERM ``pids`` (default: every process on this host), SIGKILL what is left after ``timeout`` s."""
@@ -368,7 +222,7 @@ class Host:
 
     def cut(self) -> None:
         """Partition this host silently (its bridge port down): no packet in or out, no RST, no ICMP."""
-        _ip("-n", self.cluster.switch, "link", "set", self.port, "down")
+        ip("-n", self.cluster.switch, "link", "set", self.port, "down")
 
     def heal(self, timeout: float = 5.0) -> None:
         """End :meth:`cut`: the bridge port up; returns once the host's link has carrier again.
@@ -376,10 +230,10 @@ class Host:
         Raises:
             MultiHostError: no carrier after ``timeout`` seconds.
         """
-        _ip("-n", self.cluster.switch, "link", "set", self.port, "up")
+        ip("-n", self.cluster.switch, "link", "set", self.port, "up")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            shown = json.loads(_ip("-n", self.netns, "-j", "link", "show", self.interface).stdout)
+            shown = json.loads(ip("-n", self.netns, "-j", "link", "show", self.interface).stdout)
             if shown and shown[0].get("operstate") == "UP":
                 return
             time.sleep(0.01)
@@ -446,7 +300,7 @@ class Cluster:
         with _counter_lock:
             _counter += 1
             seq = _counter
-        self.prefix = f"{PREFIX}-{os.getpid()}-{_start_ticks(os.getpid())}-{seq}"
+        self.prefix = f"{PREFIX}-{os.getpid()}-{start_ticks(os.getpid())}-{seq}"
         self.switch = f"{self.prefix}-switch"
         self.bridge = f"br{os.getpid()}"
         self.hosts: list[Host] = []
@@ -455,9 +309,9 @@ class Cluster:
         cleanup_stale()
         _live.add(self)
         try:
-            _ip("netns", "add", self.switch)
-            _ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge", "forward_delay", "0")
-            _ip("-n", self.switch, "link", "set", self.bridge, "up")
+            ip("netns", "add", self.switch)
+            ip("-n", self.switch, "link", "add", self.bridge, "type", "bridge", "forward_delay", "0")
+            ip("-n", self.switch, "link", "set", self.bridge, "up")
             for name in names:
                 self.add_host(name)
             for host in self.hosts:
@@ -499,17 +353,17 @@ class Cluster:
         with open(os.path.join(ETC_NETNS, host.netns, "resolv.conf"), "w") as f:
             f.write(_RESOLV)
         host.set_hosts()
-        _ip("netns", "add", host.netns)
-        _ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", host.interface,
+        ip("netns", "add", host.netns)
+        ip("-n", self.switch, "link", "add", host.port, "type", "veth", "peer", "name", host.interface,
             "netns", host.netns, "address", host.mac)
-        _ip("-n", self.switch, "link", "set", host.port, "master", self.bridge, "up")
-        _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.interface)
-        _ip("-n", host.netns, "link", "set", host.interface, "up")
-        _ip("-n", host.netns, "link", "set", "lo", "up")
+        ip("-n", self.switch, "link", "set", host.port, "master", self.bridge, "up")
+        ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.interface)
+        ip("-n", host.netns, "link", "set", host.interface, "up")
+        ip("-n", host.netns, "link", "set", "lo", "up")
         for other in self.hosts[:-1]:  # permanent neighbours: a cut host's packets vanish, never "no route"
-            _ip("-n", host.netns, "neigh", "replace", other.address, "lladdr", other.mac, "dev", host.interface,
+            ip("-n", host.netns, "neigh", "replace", other.address, "lladdr", other.mac, "dev", host.interface,
                 "nud", "permanent")
-            _ip("-n", other.netns, "neigh", "replace", host.address, "lladdr", host.mac, "dev", other.interface,
+            ip("-n", other.netns, "neigh", "replace", host.address, "lladdr", host.mac, "dev", other.interface,
                 "nud", "permanent")
         return host
 
@@ -536,7 +390,7 @@ class Cluster:
         for host in self.hosts:
             host.kill()
         for netns in reversed(self.namespaces()):
-            _remove_namespace(netns)
+            remove_namespace(netns)
         _live.discard(self)
 
 

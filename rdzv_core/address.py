@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+import threading
 from typing import Sequence
 
 __all__ = ["choose_address", "published_address", "route_source"]
@@ -105,8 +106,16 @@ def choose_address(configured: str | None, endpoints: Sequence[Endpoint] = ()) -
                   f"reached over a network interface: {', '.join(seen)}")
 
 
+_last_logged: list[tuple[str, str]] = []
+_log_lock = threading.Lock()
+
+
 def published_address(configured: str | None, endpoints: Sequence[Endpoint] = ()) -> str:
-    """The address to publish as ``MASTER_ADDR`` (:func:`choose_address`); logs it and why at INFO."""
+    """The address to publish as ``MASTER_ADDR`` (:func:`choose_address`); logs it and why at INFO
+    (once per process until the choice or its reason changes: rank 0 publishes every round)."""
     address, reason = choose_address(configured, endpoints)
-    log.info("publishing %s as this node's address for its peers (MASTER_ADDR): %s", address, reason)
+    with _log_lock:
+        if _last_logged != [(address, reason)]:
+            _last_logged[:] = [(address, reason)]
+            log.info("publishing %s as this node's address for its peers (MASTER_ADDR): %s", address, reason)
     return address

@@ -60,10 +60,10 @@ def job(site, tmp_path):
             """One launcher per node host; ``per_host[name]`` is put before ``argv`` on that host."""
             for name in NODES:
                 # gloo picks its interface by resolving the host name, else loopback: name it (docs/networking.md)
-                env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster[name].interface,
-                       **(env or {})}
+                host_env = {"MH_HOST": name, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster[name].interface,
+                            **(env or {})}
                 full = [*(per_host or {}).get(name, []), *argv]
-                self.launchers.append(Launcher(full, str(tmp_path), name, env=env, module=module,
+                self.launchers.append(Launcher(full, str(tmp_path), name, env=host_env, module=module,
                                                prefix=cluster[name].command_prefix))
             return self.launchers
 
@@ -138,9 +138,10 @@ def test_torchrun_on_the_same_hosts_master_addr(site, job, handler):
     published = {r["MASTER_ADDR"] for r in records}
     assert len(published) == 1, records
     if handler == "c10d":
-        assert published <= set(NODES)  # a host name ...
-        resolves = cluster["node1"].run([sys.executable, "-c", "import socket, sys; socket.gethostbyname(sys.argv[1])",
-                                         published.pop()])
+        name = published.pop()
+        assert name in NODES  # a host name ...
+        other = cluster[next(n for n in NODES if n != name)]
+        resolves = other.run([sys.executable, "-c", "import socket, sys; socket.gethostbyname(sys.argv[1])", name])
         assert resolves.returncode != 0  # ... that the other hosts cannot resolve
         return  # its workers wait for the unreachable store until their timeout: not waited for here
     for launcher in launchers:
