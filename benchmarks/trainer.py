@@ -8,11 +8,12 @@ step is, the rest are local. After each step it appends one JSON line to
 ``OUT/steps-<NODE>.jsonl`` (``NODE`` is the ``TRAINER_NODE`` variable the caller gives
 each launcher: the launchers pass their environment to their workers)::
 
-    {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "step", "t"}
+    {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "master", "step", "t"}
 
-``t`` is ``time.time()``. Before the first step it writes one ``start`` line with the same
-fields and ``"sum"`` (the first ``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when
-every rank is distinct). It stops when asked, by files in ``OUT``:
+``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``.
+Before the first step it writes one ``start`` line with the same fields and ``"sum"`` (the first
+``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct).
+It stops when asked, by files in ``OUT``:
 
 ``stop-all`` or ``stop-<NODE>``   finish the current step, destroy the group, exit 0 (with
                                   ``--collective``: every rank stops at the step one of them saw it)
@@ -49,6 +50,7 @@ def main() -> int:
         "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"]),
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")), "restart": restart,
         "role_rank": int(os.environ.get("ROLE_RANK", "-1")), "role_world": int(os.environ.get("ROLE_WORLD_SIZE", "-1")),
+        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
     }
 
     def record(**fields: object) -> None:

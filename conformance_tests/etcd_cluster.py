@@ -80,7 +80,11 @@ class EtcdMember(EtcdServer):
 
     def status(self, timeout: float = 1.0) -> dict[str, object] | None:
         """The member's ``maintenance/status`` answer (``header.member_id``, ``leader``, ...), or
-        ``None`` if it does not answer within ``timeout`` seconds."""
+        ``None`` if it does not answer within ``timeout`` seconds (asked from where its placement reaches it)."""
+        answer: dict[str, object] | None = self.placement.call(lambda: self._status(timeout))
+        return answer
+
+    def _status(self, timeout: float) -> dict[str, object] | None:
         request = urllib.request.Request(
             f"{self.client_url}/v3/maintenance/status", data=b"{}", headers={"Content-Type": "application/json"}
         )
@@ -106,7 +110,7 @@ def _distinct_ports(members: list[EtcdMember]) -> None:
     for m in members:
         for attr in ("port", "peer_port"):
             while getattr(m, attr) in used:
-                setattr(m, attr, free_port(m.host))
+                setattr(m, attr, free_port())  # free here is free in a fresh namespace too
             used.add(getattr(m, attr))
 
 
@@ -116,6 +120,8 @@ class EtcdCluster:
     Args:
         size: number of members (int >= 1; 3 by default: a quorum survives one loss).
         enable_v2: serve the v2 API too, so ``etcd-v2://`` URLs work (default ``True``).
+        placements: where each member runs (one per member, e.g. ``Host.placement`` of
+            :mod:`~conformance_tests.multihost` hosts: one member per host); default: all here, on loopback.
 
     Raises:
         RuntimeError: from :meth:`start` when the members do not form a healthy cluster
@@ -124,10 +130,13 @@ class EtcdCluster:
         TimeoutError: from :meth:`leader` when no leader is agreed on before the deadline.
     """
 
-    def __init__(self, size: int = 3, enable_v2: bool = True) -> None:
+    def __init__(self, size: int = 3, enable_v2: bool = True, placements: Sequence[Placement] | None = None) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"invalid value for 'size': {size!r}: must be an int >= 1")
-        self.members = [EtcdMember(f"m{i}", enable_v2=enable_v2) for i in range(size)]
+        if placements is not None and len(placements) != size:
+            raise ValueError(f"invalid value for 'placements': {len(placements)} placements for {size} members")
+        where = list(placements) if placements is not None else [LOOPBACK] * size
+        self.members = [EtcdMember(f"m{i}", enable_v2=enable_v2, placement=where[i]) for i in range(size)]
         _distinct_ports(self.members)
         initial = ",".join(f"{m.member_name}={m.peer_url}" for m in self.members)
         for m in self.members:

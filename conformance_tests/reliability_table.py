@@ -43,7 +43,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 #: Fault tests of a source checkout (in :data:`TESTS`), run when present.
 SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py",
-                "test_bad_input.py", "test_bad_input_etcd.py", "test_bad_input_redis.py")
+                "test_bad_input.py", "test_bad_input_etcd.py", "test_bad_input_redis.py",
+                "test_multihost_partitions.py", "test_multihost_etcd_cluster.py", "test_multihost_rendezvous.py")
 #: Tests of bad input (URLs, TLS files, run ids, query values) that record ``bad_input`` and ``time_to_error_s``.
 BAD_INPUT_PREFIX = "test_bad_input_"
 #: Backends the network, cluster and clock tests parametrize themselves (whatever ``--rdzv-url`` says).
@@ -80,6 +81,18 @@ CLUSTER_FAULTS = {
     "test_leader_killed_during_a_final_round": "leader killed during a final round",
     "test_write_right_after_leader_death_is_not_held_for_the_whole_deadline": "`put` right after the leader's death",
     "test_compare_guarded_writes_right_after_leader_death": "compare-guarded writes right after the leader's death",
+}
+#: Partitions between hosts in network namespaces (root only; their cells show the ``summary`` they record).
+PARTITIONS = {
+    "test_a_partitioned_node_is_replaced_at_once_and_rejoins_after_the_heal":
+        "a node host cut off mid-training, healed after 30 s",
+    "test_a_server_partition_shorter_than_the_ttl_changes_nothing_a_longer_one_re_forms_once":
+        "the server host cut off mid-training: 1 s, then longer than the TTL",
+    "test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training":
+        "the etcd leader's host cut off during a rendezvous, then during training (3 members)",
+    "test_a_node_cut_off_during_its_join_is_left_out": "a node cut off during its join",
+    "test_a_node_cut_off_during_its_confirmation_is_left_out": "a node cut off during its confirmation",
+    "test_a_spare_cut_off_disturbs_nobody_and_replaces_a_member_after_the_heal": "a spare cut off",
 }
 CLOCK_FAULTS = {"test_agent_with_clock_30s_ahead_is_not_evicted": "one member's clock 30 s ahead (libfaketime)"}
 PHASES = ("setup", "join", "last_call", "confirm", "final")
@@ -173,7 +186,9 @@ def _ops_text(p: dict[str, str]) -> str:
 def _fault_text(r: Result) -> str:
     """What a network, cluster or clock test measured, for its cell (a failure's message if nothing)."""
     p = r.props
-    if r.test in dict(NET_MODES):
+    if "summary" in p:
+        text = p["summary"]
+    elif r.test in dict(NET_MODES):
         text = _ops_text(p)
     elif r.test.startswith("test_store_calls_"):
         times = [v for k, v in p.items() if k.startswith("store.") and k.endswith("_s")]
@@ -275,6 +290,7 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
     out += _group(results, "etcd leader failure, three-member cluster (`tests/test_etcd_cluster.py`)",
                   CLUSTER_FAULTS)
     out += _group(results, "Clock offset (`tests/test_clock_offset.py`)", CLOCK_FAULTS)
+    out += _group(results, "Partitions between hosts (`tests/test_multihost_*.py`)", PARTITIONS)
     out += ["### Bad input", ""]
     rows = []
     for test in BAD_INPUT:
@@ -284,7 +300,7 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
             rows.append([label] + [_cell(_find(results, test, b, case)) for b in backends])
     out += _table(["test"] + list(backends), rows) + [""]
     out += _bad_input_times(results)
-    own = set(NETWORK_FAULTS) | set(CLUSTER_FAULTS) | set(CLOCK_FAULTS)
+    own = set(NETWORK_FAULTS) | set(CLUSTER_FAULTS) | set(CLOCK_FAULTS) | set(PARTITIONS)
     solo = [r for r in results if not r.backend and r.test not in SERVER_FAULTS and r.test not in own
             and not r.test.startswith(BAD_INPUT_PREFIX)]
     if solo:

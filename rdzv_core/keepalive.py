@@ -62,6 +62,8 @@ class KeepAlive:
         on_refresh: called after each refresh on the refresh's thread, with ``None`` when it worked or the
             exception when it failed (inside the ``except``: ``traceback.format_exc()`` shows it); what it
             raises is logged and ignored.
+        on_lapse: called on the refresh's thread each time the key is found gone, before it is written
+            again; what it raises is logged and ignored.
 
     Attributes:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
@@ -74,12 +76,14 @@ class KeepAlive:
     def __init__(
         self, kv: KVBackend, key: str, ttl: float, value: bytes | None = None, name: str = "rdzv-keepalive",
         on_refresh: Callable[[BaseException | None], object] | None = None,
+        on_lapse: Callable[[], object] | None = None,
     ) -> None:
         if not ttl > 0:
             raise ConfigError("ttl", ttl, "a keep-alive TTL must be a positive number of seconds")
         self.kv, self.key, self.ttl, self.value, self.name = kv, key, ttl, value, name
         self.interval = ttl / 3  #: seconds between refreshes
         self.on_refresh = on_refresh
+        self.on_lapse = on_lapse
         self.lapsed = threading.Event()
         self.recreated = 0
         self._outage = OutageLog(log.log)  # one WARNING per streak of failed refreshes
@@ -159,6 +163,7 @@ class KeepAlive:
         except KeyNotFoundError:
             observe.keepalive_lapse()
             self.lapsed.set()
+            self._call(self.on_lapse, "on_lapse")
             if self.value is None:
                 log.warning("keep-alive key %s lapsed before it was refreshed", self.key)
                 return None
@@ -176,12 +181,15 @@ class KeepAlive:
             return wait
 
     def _notify(self, error: BaseException | None) -> None:
-        if self.on_refresh is None:
+        self._call(self.on_refresh, "on_refresh", error)
+
+    def _call(self, callback: Callable[..., object] | None, what: str, *args: object) -> None:
+        if callback is None:
             return
         try:
-            self.on_refresh(error)
+            callback(*args)
         except Exception:  # a listener's bug must not end the refreshing
-            log.exception("keep-alive %s: the on_refresh callback failed", self.name)
+            log.exception("keep-alive %s: the %s callback failed", self.name, what)
 
     def _recreate(self) -> float | None:
         """Write the lapsed key again; return the wait before the next refresh (seconds), ``None`` to end."""

@@ -30,7 +30,7 @@ from .kv import EventType, KVBackend
 from .outage import OutageLog
 from .rendezvous.record import RunKeys, missing_ranks
 
-__all__ = ["WatchedRound", "subscribe", "unsubscribe", "watched_rounds", "THREAD_PREFIX"]
+__all__ = ["WatchedRound", "destroy", "subscribe", "unsubscribe", "watched_rounds", "THREAD_PREFIX"]
 
 log = logging.getLogger(__name__)
 
@@ -135,19 +135,30 @@ class _RoundWatch:
         missing = missing_ranks(entries, k.world)
         if not missing:
             return revision
-        if kv.get(k.keys.closed) is not None:
-            return None  # the job ended: members leave, nothing to re-form
         if self.stopped.is_set():
             # The last subscriber left; its member deletes its key after unsubscribing, so a key seen
             # missing now may be that member's own: not a lapse for this watch to act on.
             return None
-        try:
-            kv.compare_and_delete(k.keys.round_record, k.final_revision)
-            log.info("run=%s version=%d: destroyed the round: keep-alive of rank(s) %s lapsed or was deleted",
-                     k.run_id, k.version, missing)
-        except (CompareFailedError, KeyNotFoundError):
-            pass  # destroyed (or replaced) by someone else first
+        destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted")
         return None
+
+
+def destroy(kv: KVBackend, watched: WatchedRound, reason: str) -> bool:
+    """Destroy the final round ``watched`` (compare-and-delete of its record at its final revision) unless
+    the run is closed (the job ended: nothing to re-form); ``reason`` is logged. Whether this call destroyed it
+    (``False``: closed, or destroyed or replaced by someone else first).
+
+    Raises:
+        BackendUnavailableError, BackendClosedError: from ``kv``.
+    """
+    if kv.get(watched.keys.closed) is not None:
+        return False
+    try:
+        kv.compare_and_delete(watched.keys.round_record, watched.final_revision)
+    except (CompareFailedError, KeyNotFoundError):
+        return False
+    log.info("run=%s version=%d: destroyed the round: %s", watched.run_id, watched.version, reason)
+    return True
 
 
 _lock = threading.Lock()

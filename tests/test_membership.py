@@ -69,7 +69,7 @@ class Job:
 
     def node(self, name: str, nnodes: str, nproc: int = 1, collective: bool = True, torchrun: bool = False,
              max_restarts: int = 3, pg_timeout: float = 60.0, extra: tuple[str, ...] = (),
-             trainer_args: tuple[str, ...] = ()) -> Launcher:
+             trainer_args: tuple[str, ...] = (), prefix: tuple[str, ...] = ()) -> Launcher:
         common = ["--nnodes", nnodes, "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
                   "--monitor-interval", "0.1", *extra]
         if torchrun:
@@ -85,7 +85,7 @@ class Job:
         argv += [TRAINER, "--out", self.out, "--pg-timeout", str(pg_timeout), *trainer_args]
         if collective:
             argv.append("--collective")
-        launcher = Launcher(argv, self.workdir, name, env={"TRAINER_NODE": name}, module=module)
+        launcher = Launcher(argv, self.workdir, name, env={"TRAINER_NODE": name}, module=module, prefix=prefix)
         self.nodes[name] = launcher
         return launcher
 

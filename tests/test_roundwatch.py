@@ -62,3 +62,42 @@ def test_a_stopped_watch_never_destroys_the_round() -> None:
         assert kv.get(watched.keys.round_record) is not None  # the final record is still there
     finally:
         kv.close()
+
+
+class _Unwatched(Rendezvous):
+    """A member without the round watch: only its own keep-alive can notice that its key lapsed (as when the
+    backend was away from every member longer than the TTL and the keep-alive is the first to look after it)."""
+
+    def _watch_round(self, result) -> None:
+        self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
+                                                self._final_revision)
+
+
+def test_a_member_whose_own_key_lapsed_destroys_its_round() -> None:
+    """The key of a member of a final round disappears unseen (no watch runs): its keep-alive finds it gone at
+    the next refresh and destroys the round (before the fix it wrote the key again and the round went on,
+    unless a watch happened to list while the key was gone); the members re-form."""
+    kv = open_backend(f"memory://rw{uuid.uuid4().hex[:8]}/")
+    params = RendezvousParams(min_nodes=2, keep_alive_ttl=0.6, last_call_timeout=0.1, timeout=20)
+    members = [_Unwatched(kv, "job", params) for _ in range(2)]
+    try:
+        results: list = [None] * 2
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].next_round()))
+                   for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert [r.world_size for r in results] == [2, 2]
+        lapsed = members[0]._alive_key
+        assert lapsed is not None and kv.get(lapsed) is not None
+        kv.delete(lapsed)  # as an expiry while nobody could see it
+        deadline = time.monotonic() + 5 * params.keep_alive_ttl
+        while not all(m.num_nodes_waiting() >= 1 for m in members):  # the round is gone for both members
+            assert time.monotonic() < deadline, f"the round survived its member's lapse: {members[0].describe()}"
+            time.sleep(0.02)
+        assert kv.get(members[0].keys.round_record) is None
+    finally:
+        for m in members:
+            m.leave()
+        kv.close()

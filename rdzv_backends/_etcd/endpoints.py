@@ -40,6 +40,11 @@ class Endpoints:
             if self._current == index:
                 self._current = (index + 1) % self.count
 
+    def prefer(self, indexes: list[int]) -> None:
+        """Prefer the first of ``indexes`` (endpoints known to answer, e.g. at open); none: no change."""
+        if indexes:
+            self.worked(indexes[0])
+
     def worked(self, index: int) -> None:
         """Prefer ``index`` from now on."""
         with self._lock:

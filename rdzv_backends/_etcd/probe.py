@@ -71,22 +71,27 @@ def _speaks_tls(host: str, port: int, seconds: float) -> bool:
         return False
 
 
-def probe_http(settings: EtcdSettings, deadline: Deadline) -> None:
+def probe_http(settings: EtcdSettings, deadline: Deadline) -> list[int]:
     """At open, for ``protocol=http``: ``GET /version`` on every endpoint (at most :data:`PROBE_SECONDS` each).
 
     Endpoints that refuse the connection, cannot be reached or stay silent are skipped: the backend's own
     requests report them. The probe takes its time from ``deadline`` (the open's).
 
+    Returns:
+        the indexes (into ``settings.endpoints``) of the endpoints that answered as etcd, in order (``[]`` for
+        ``protocol=https``): the backend sends its first request to one of them, not again to a silent one.
+
     Raises:
         InvalidURLError: on ``protocol``: an endpoint closes a plain HTTP request unanswered (or answers
             garbage) and speaks TLS; on ``host``: an endpoint answers HTTP, but not as etcd.
     """
+    answered_by: list[int] = []
     if settings.protocol != "http":
-        return
-    for host, port in settings.endpoints:
+        return answered_by
+    for index, (host, port) in enumerate(settings.endpoints):
         seconds = min(deadline.attempt(), PROBE_SECONDS)
         if seconds <= 0:
-            return
+            return answered_by
         at = _where(host, port)
         conn = http.client.HTTPConnection(host, port, timeout=seconds)
         try:
@@ -107,3 +112,5 @@ def probe_http(settings: EtcdSettings, deadline: Deadline) -> None:
             conn.close()
         if etcd_version(status, body) is None:
             raise not_etcd(host, port, f"http://{at}", answered(status, body))
+        answered_by.append(index)
+    return answered_by

@@ -84,7 +84,8 @@ class EtcdV2Backend(KVBackend):
         self._counters: dict[str, Counter] = {}  # key -> state last written by add (see _add_once)
         try:
             opening = Deadline(settings.operation_timeout)
-            probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once
+            answering = probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once
+            self._net.endpoints.prefer(answering)  # not a silent first endpoint again: the open's time is short
             check_tls(settings, opening)  # names a wrong cacert or cert (urllib3's error would not)
             self._net.probe(opening)
         except BaseException:

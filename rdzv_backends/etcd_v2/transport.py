@@ -123,7 +123,7 @@ class Transport:
         self._check_open = check_open
         self._is_closed = is_closed
         self.settings = settings
-        self._endpoints = Endpoints(len(settings.endpoints))
+        self.endpoints = Endpoints(len(settings.endpoints))
         self._eps = [_Endpoint(host, port, settings) for host, port in settings.endpoints]
         self.seen = 0  # the highest X-Etcd-Index answered so far (see Tries)
 
@@ -170,7 +170,7 @@ class Transport:
         last: BackendUnavailable | None = None
         refused = True  # every failure so far reached no server
         while True:
-            for index in self._endpoints.order():
+            for index in self.endpoints.order():
                 self._check_open()
                 per_try = deadline.attempt() if poll is None else max(poll.remaining(), _MIN_POLL)
                 if per_try <= 0:
@@ -188,7 +188,7 @@ class Transport:
                         raise BackendClosed(f"EtcdV2Backend was closed during a {method}") from None
                     failure = _failure(exc)
                     if poll is not None and failure is Failure.TIMED_OUT:
-                        self._endpoints.worked(index)
+                        self.endpoints.worked(index)
                         return None
                     last = transport_error(failure, f"etcd at {ep.base_uri}", what, _reason(exc))
                     if failure is Failure.TLS:
@@ -208,14 +208,14 @@ class Transport:
                     self._attempt_failed(index, deadline, tries if answer.code == RAFT_INTERNAL else None, last)
                     continue
                 self._check_answer(ep, answer)
-                self._endpoints.worked(index)
+                self.endpoints.worked(index)
                 return answer
             if not deadline.backoff():
                 raise give_up(self.settings, what, last, refused=refused, tries=tries) from None
 
     def _attempt_failed(self, index: int, deadline: Deadline, tries: Tries | None, error: BaseException) -> None:
         """Book a failed attempt on endpoint ``index`` (``tries``: the attempt may have been applied)."""
-        self._endpoints.failed(index)
+        self.endpoints.failed(index)
         deadline.failed()
         if tries is not None:
             tries.maybe_applied = True

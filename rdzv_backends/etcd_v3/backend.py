@@ -64,9 +64,10 @@ class EtcdV3Backend(KVBackend):
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
         opening = Deadline(settings.operation_timeout)
-        probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once: gRPC would retry
+        answering = probe_http(settings, opening)  # a TLS-only etcd or not etcd at once: gRPC would retry
         check_tls(settings, opening)  # a wrong cacert or cert at once: gRPC retries its handshake until the deadline
         self._net = Transport(settings, self._check_open, lambda: self._closed)
+        self._net.endpoints.prefer(answering)  # not a silent first endpoint again: the open's time is short
         self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it
         self._adds: AddCombiner[Deadline] = AddCombiner()
         self._reads = ReadCoalescer()

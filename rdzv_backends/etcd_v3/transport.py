@@ -33,13 +33,20 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 #: gRPC channel options: no 4 MiB cap on answers (a list of large values),
-#: and quick reconnection after a server restart (gRPC's default backoff grows to 120 s).
+#: quick reconnection after a server restart (gRPC's default backoff grows to 120 s), and HTTP/2
+#: keep-alive pings while calls are active, so that a connection whose packets vanish (a partition: no
+#: RST) is closed and made again instead of waiting out TCP's retransmission backoff after the heal
+#: (seen: 32 s; etcd refuses pings more often than its --grpc-keepalive-min-time, 5 s by default).
 _CHANNEL_OPTIONS = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.keepalive_time_ms", 5000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 #: Shortest time given to one RPC attempt (seconds).
 _MIN_TRY = 0.05
@@ -137,7 +144,7 @@ class Transport:
         self.settings = settings
         self._check_open = check_open
         self._is_closed = is_closed
-        self._endpoints = Endpoints(len(settings.endpoints))
+        self.endpoints = Endpoints(len(settings.endpoints))
         self.eps = [Endpoint(host, port, settings) for host, port in settings.endpoints]
         self._token: str | None = None
         self._token_lock = threading.Lock()
@@ -199,7 +206,7 @@ class Transport:
         refused = True  # every failure so far reached no server
         tried = False  # every call makes at least one attempt, even with no time left
         while True:
-            for index in self._endpoints.order():
+            for index in self.endpoints.order():
                 self._check_open()
                 per_try = deadline.attempt()
                 if per_try <= 0 and tried:
@@ -226,7 +233,7 @@ class Transport:
                             ) from None
                         raise ServerError(f"etcd at {ep.target} refused {what}: {details}", code.name,
                                           details) from None
-                    self._endpoints.failed(index)
+                    self.endpoints.failed(index)
                     deadline.failed()
                     if failure is Failure.TIMED_OUT:
                         deadline.timed_out()
@@ -241,7 +248,7 @@ class Transport:
                     if self._is_closed():
                         raise BackendClosed(f"EtcdV3Backend was closed during {what}") from None
                     raise
-                self._endpoints.worked(index)
+                self.endpoints.worked(index)
                 header = getattr(answer, "header", None)
                 if header is not None and header.revision > self.seen:
                     self.seen = int(header.revision)  # unlocked: a lost update only makes Tries.seen more cautious

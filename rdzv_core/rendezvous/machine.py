@@ -296,10 +296,7 @@ class RoundMachine:
                 **member_fields(self.last_round, p.labels, want)}
         self.kv.put(alive_key, encode_json(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info
-        self._keepalive = KeepAlive(
-            self.kv, alive_key, ttl, value=encode_json(info), name=f"rdzv-keepalive-{self.run_id}-v{version}",
-            on_refresh=self.on_keepalive,
-        )
+        self._keepalive = self._start_keepalive(alive_key, info, f"rdzv-keepalive-{self.run_id}-v{version}")
         held = self._held
         if held is not None and held.confirmed and held.is_round(version, rid):
             # Resumed after a backend error: counted already (or maybe: the add's answer was lost). Never
@@ -490,6 +487,24 @@ class RoundMachine:
         if self._watched is not None:
             roundwatch.unsubscribe(self, self._watched)
             self._watched = None
+
+    def _start_keepalive(self, key: str, info: dict[str, Any], name: str) -> KeepAlive:
+        """Keep this member's key ``key`` (value ``info``) alive; a lapse of it calls :meth:`_own_key_lapsed`."""
+        return KeepAlive(self.kv, key, self.params.keep_alive_ttl, value=encode_json(info), name=name,
+                         on_refresh=self.on_keepalive, on_lapse=lambda: self._own_key_lapsed(key))
+
+    def _own_key_lapsed(self, key: str) -> None:
+        """This member's keep-alive ``key`` was found gone (this node, or the backend, was away longer than
+        ``keep_alive_ttl``): if it is a key of this node's final round, destroy that round, so that every
+        member re-forms whoever looks first (``docs/design.md``, "Membership rules"). On a refresh thread."""
+        watched = self._watched
+        if watched is None or not key.startswith(watched.alive_prefix):
+            return  # not final yet (the key is written again and the round goes on), or another round
+        try:
+            roundwatch.destroy(self.kv, watched, "this member's own keep-alive key lapsed")
+        except (BackendUnavailableError, BackendClosedError) as exc:
+            self._log(logging.WARNING, "own keep-alive key lapsed; could not destroy the round: %s", exc,
+                      version=watched.version)
 
     def _stop_keepalive(self, delete: bool, forget: bool = True) -> None:
         if self._keepalive is not None:

@@ -13,7 +13,6 @@ from ..errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
 )
-from ..keepalive import KeepAlive
 from ..kv import wait_for_change
 from ..outage import OutageLog
 from .machine import RoundMachine
@@ -135,14 +134,13 @@ class Rendezvous(RoundMachine):
         """
         if self._finished or self._alive_key is None:
             return False
-        key, ttl = self._alive_key, self.params.keep_alive_ttl
+        key = self._alive_key
         self._stop_keepalive(delete=False, forget=False)  # first: no refresh may give the key a TTL again
         try:
             self.kv.put(key, encode_json({**self._alive_info, "finished": round(time.time(), 3)}))
         except (BackendUnavailableError, BackendClosedError) as exc:
             self._log(logging.WARNING, "could not mark this member finished: %s", exc)
-            self._keepalive = KeepAlive(self.kv, key, ttl, value=encode_json(self._alive_info),
-                                        name=f"rdzv-keepalive-{self.run_id}", on_refresh=self.on_keepalive)
+            self._keepalive = self._start_keepalive(key, self._alive_info, f"rdzv-keepalive-{self.run_id}")
             return False
         self._finished = True
         self._log(logging.INFO, "marked this member finished")

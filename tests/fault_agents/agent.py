@@ -2,7 +2,7 @@
 
 Usage::
 
-    python agent.py URL [--block-at setup|join|last_call|confirm]
+    python agent.py URL [--block-at setup|join|last_call|confirm] [--release-on FILE]
 
 ``URL`` is a full rendezvous URL (run id and ``min_nodes``, ``max_nodes``,
 ``keep_alive_ttl``, ``last_call_timeout``, ``timeout`` in its query). The agent
@@ -16,6 +16,7 @@ It writes one JSON object per line on stdout:
 ``{"event": "ready", "node": ...}``                        backend open, waiting for commands
 ``{"event": "progress", "phase": ..., "version": V, "joined": N}``   (when it changes)
 ``{"event": "blocked", "phase": PHASE, "version": V}``      stopped at the ``--block-at`` point
+``{"event": "released"}``                                   carried on from there (``--release-on``)
 ``{"event": "round", "version": V, "rank": R, "world_size": W}``
 ``{"event": "error", "type": NAME, "message": TEXT}``       ``next_round`` raised
 ``{"event": "left"}``                                      left the round (``exit``, end of input, SIGTERM)
@@ -27,6 +28,9 @@ the state machine and keeps it there (until it is killed):
 ``join``       it took a join ticket below ``min_nodes`` in a joinable round;
 ``last_call``  it owns the last call: the record is marked (TTL) and not refreshed since;
 ``confirm``    the round is frozen with this agent in it; it has not confirmed (no keep-alive key).
+
+With ``--release-on FILE`` the agent carries on from that point once ``FILE`` exists (it polls every
+20 ms): a node held at an exact point while the test partitions its host, then let go into the partition.
 
 To stop there, :class:`StoppingRendezvous` overrides the step methods
 (``_setup``, ``_join``, ``_last_call``, ``_confirm``) and arms a trap on the
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -100,10 +105,12 @@ class _TrappedKV:
 class StoppingRendezvous(Rendezvous):
     """A :class:`Rendezvous` that stops for good at ``block_at`` (once), after printing ``blocked``."""
 
-    def __init__(self, kv: Any, run_id: str, params: RendezvousParams, block_at: str | None) -> None:
+    def __init__(self, kv: Any, run_id: str, params: RendezvousParams, block_at: str | None,
+                 release_on: str | None = None) -> None:
         self.trapped = _TrappedKV(kv, self._block)
         super().__init__(self.trapped, run_id, params, on_progress=self._report)  # type: ignore[arg-type]
         self.block_at = block_at
+        self.release_on = release_on
         self._version = 0
         self._last_progress: tuple[str, int, int] | None = None
 
@@ -113,8 +120,9 @@ class StoppingRendezvous(Rendezvous):
     def _block(self) -> None:
         emit("blocked", phase=self.block_at, version=self._version)
         self.block_at = None
-        while True:  # until killed; a SIGTERM raises SystemExit out of this sleep
-            time.sleep(3600)
+        while self.release_on is None or not os.path.exists(self.release_on):
+            time.sleep(3600 if self.release_on is None else 0.02)  # a SIGTERM raises SystemExit out of it
+        emit("released")
 
     def _report(self, p: Progress) -> None:
         now = (p.phase, p.version, p.joined)
@@ -166,13 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("url")
     parser.add_argument("--block-at", choices=PHASES, default=None)
+    parser.add_argument("--release-on", default=None, metavar="FILE")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
 
     info, parsed = parse_backend_url(args.url)
     params = RendezvousParams(**{k: parsed.params[k] for k in _PARAM_NAMES if k in parsed.params})
     kv = info.spec.open(parsed)
-    rdzv = StoppingRendezvous(kv, parsed.run_id, params, args.block_at)
+    rdzv = StoppingRendezvous(kv, parsed.run_id, params, args.block_at, args.release_on)
     try:
         emit("ready", node=rdzv.node_id)
         for line in sys.stdin:
