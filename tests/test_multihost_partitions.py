@@ -29,8 +29,8 @@ NODES = ["node0", "node1", "node2"]
 RESOLUTION = {"redis": 0.1, "etcd-v2": 1.5, "etcd-v3": 2.5}
 SHORT_CUT = 1.0  # s: a server partition well inside what every key has left (>= 2/3 TTL - a refresh)
 HEAL_AFTER = 30.0  # s: a node host's partition (the issue's number)
-#: s from the heal to all three training in one round again (three worker restarts, torch imports included;
-#: etcd-v3 took 32 s before its channels sent keep-alive pings: TCP's retransmission backoff after 30 s)
+#: s from the heal to the round of 3 (measured 3-6 s; all three training 6.6-8.4 s, 24 s at load 50; etcd-v3
+#: took 32 s to train before its channels sent keep-alive pings: TCP's retransmission backoff after 30 s)
 REJOIN = 20.0
 QUERY = {"last_call_timeout": "0.5", "keep_alive_ttl": str(TTL), "timeout": "120", "operation_timeout": "1"}
 
@@ -123,17 +123,20 @@ def test_a_partitioned_node_is_replaced_at_once_and_rejoins_after_the_heal(job, 
     stale = job.pids(victim)
     cut = time.time()
     hosts.cut(victim)
-    _, formed = wait_for(lambda: job.final_round(2, newer_than=version), TTL + 3.0 + 2.0,
-                         "a final round of 2 without the cut-off node", job)
+    two, formed = wait_for(lambda: job.final_round(2, newer_than=version), TTL + 3.0 + 2.0,
+                           "a final round of 2 without the cut-off node", job)
     _, trained = wait_for(lambda: job.training(others, 2, cut), TTL + 30.0, "node0 and node1 at world size 2", job)
     assert formed - cut <= TTL + 3.0, f"the round of 2 formed {formed - cut:.2f} s after the cut"
     assert job.nodes[victim].proc.poll() is None, "the cut-off node's launcher ended"
     time.sleep(max(0.0, cut + HEAL_AFTER - time.time()))  # the partition's length is the scenario
     hosts.heal(victim)
     healed = time.time()
+    _, reformed = wait_for(lambda: job.final_round(3, newer_than=two["version"]), 90,
+                           "a final round of 3 after the heal", job)
     _, rejoined = wait_for(lambda: job.training(NODES, 3, healed) and job.pids(victim, healed) - stale, 90,
                            "all three at world size 3 after the heal", job)
-    assert rejoined - healed <= REJOIN, f"all three trained again {rejoined - healed:.2f} s after the heal"
+    # the bound is on the rendezvous (new workers' start-up is the machine's load, not ours)
+    assert reformed - healed <= REJOIN, f"the round of 3 formed {reformed - healed:.2f} s after the heal"
     late = [r for r in job.records(victim) if r["pid"] in stale and r["t"] > cut + 0.5]
     assert late == [], f"the cut-off node trained on its stale rank: {late[:3]}"
     assert {r["restart"] for n in others for r in job.steps_at(n, 2, cut)} == {0}
