@@ -26,8 +26,9 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow]
 #: keep_alive_ttl: a refresh that meets the cut member must fail over within what its key has left (2/3 TTL):
 #: one attempt at the silent member (operation_timeout / 3, at least 0.5 s), then a follower that may still
 #: be electing a leader (~1 s), on a loaded machine. With TTL 3 s and operation_timeout 3 s, etcd v2's refreshes
-#: took 3 s and the keys lapsed; with 5 s they lapsed once in five runs.
-TTL = 6.0
+#: took 3 s and the keys lapsed; with 5 s they lapsed once in five runs; with 6 s once in four at load 30
+#: (a 2-core machine running a 1,024-agent benchmark beside it).
+TTL = 10.0
 START = 150.0
 MEMBERS = ["e0", "e1", "e2"]
 NODES = ["node0", "node1", "node2"]
@@ -36,7 +37,7 @@ QUERY = {"last_call_timeout": "0.5", "keep_alive_ttl": str(TTL), "timeout": "120
 #: s from the leader's cut to the round of 3 training: the election (~1 s), an attempt at the cut member
 #: (operation_timeout / 3), a frozen round re-formed after keep_alive_ttl if a member waited blind on the cut
 #: member's watch stream, three workers started (torch imports).
-FORM = 45.0
+FORM = 60.0
 
 
 @pytest.fixture(scope="module")
