@@ -98,7 +98,7 @@ def test_the_leaders_host_cut_off_during_a_rendezvous_and_during_training(scheme
                  "training on past the keys' expiry", job)
         state = job.state()
         hosts.heal(_member_host(cluster, second))
-        assert (state["status"], state["version"]) == ("final", version), state
+        assert (state["status"], state["version"]) == ("final", version), f"{state}\n{job.tails()}"
         for n in NODES:
             assert job.pids(n, cut2) == pids[n], f"{n}'s workers were restarted when the leader was cut off"
         assert rounds_consistent(job.records()) == []

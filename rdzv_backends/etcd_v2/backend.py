@@ -55,6 +55,10 @@ log = logging.getLogger(__name__)
 
 #: Counters whose last written state ``add`` remembers per backend object.
 _COUNTER_CACHE = 1024
+#: Every read is linearizable: ``quorum=true`` makes the member confirm it through raft, so a member cut off
+#: from its peers (or not caught up after a partition) fails the read instead of answering from its own,
+#: possibly old, copy (etcd's v2 API, "Read Consistency"; v3 ranges are linearizable by default).
+QUORUM = {"quorum": "true"}
 
 
 class EtcdV2Backend(KVBackend):
@@ -101,7 +105,7 @@ class EtcdV2Backend(KVBackend):
 
     # -- reads -------------------------------------------------------------------
     def _do_get(self, key: str) -> Entry | None:
-        answer = self._net.call("GET", node_path(key), {}, self._deadline())
+        answer = self._net.call("GET", node_path(key), dict(QUORUM), self._deadline())
         if not answer.ok:
             if answer.code in (KEY_NOT_FOUND, NOT_DIR):
                 return None
@@ -109,7 +113,7 @@ class EtcdV2Backend(KVBackend):
         return to_entry(key, answer.body["node"])
 
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
-        answer = self._net.call("GET", dir_path(prefix), {"recursive": "true"}, self._deadline())
+        answer = self._net.call("GET", dir_path(prefix), {"recursive": "true", **QUORUM}, self._deadline())
         if not answer.ok:
             if answer.code in (KEY_NOT_FOUND, NOT_DIR):
                 return [], answer.etcd_index
@@ -140,7 +144,7 @@ class EtcdV2Backend(KVBackend):
 
     def _read_node(self, key: str, deadline: Deadline) -> dict[str, Any] | None:
         """The v2 node at ``key`` (a value or a directory), ``None`` if absent."""
-        answer = self._net.call("GET", node_path(key), {}, deadline)
+        answer = self._net.call("GET", node_path(key), dict(QUORUM), deadline)
         if not answer.ok:
             if answer.code in (KEY_NOT_FOUND, NOT_DIR):
                 return None
