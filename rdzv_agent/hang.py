@@ -13,6 +13,7 @@ handlers; others have none) at most every ``RDZV_PROGRESS_INTERVAL`` seconds. Se
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import math
 import os
@@ -23,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, MutableMapping
+
+import psutil
 
 from .api import WorkerFailure
 from .health import positive_seconds
@@ -156,13 +159,14 @@ class ProgressMonitor:
             self._dir = None
 
 
-def dump_stacks(pid: int, stack_file: str) -> str:
-    """Write the Python stacks of process ``pid`` to ``stack_file``; return how (``"py-spy"``,
-    ``"faulthandler"`` or ``"none"``: py-spy absent or failing and the worker registered no dump signal).
+def dump_stacks(pid: int, stack_file: str) -> tuple[str, str]:
+    """Write the Python stacks of process ``pid`` to ``stack_file``; return ``(how, why)``: how is
+    ``"py-spy"``, ``"faulthandler"`` or ``"none"``, why says what failed when it is ``"none"``.
 
     py-spy (``py-spy dump --pid PID``) first when it is on ``PATH``; else, if the worker created
     ``stack_file`` (it imported :mod:`rdzv_agent.progress`), :data:`~rdzv_agent.progress.DUMP_SIGNAL`,
-    then up to :data:`DUMP_WAIT` seconds for the file to stop growing.
+    then up to :data:`DUMP_WAIT` seconds for the file to stop growing. A stopped worker (SIGSTOP, a frozen
+    cgroup) cannot handle the signal: it is not waited for.
     """
     py_spy = shutil.which("py-spy")
     if py_spy is not None:
@@ -172,17 +176,23 @@ def dump_stacks(pid: int, stack_file: str) -> str:
             if done.returncode == 0 and done.stdout.strip():
                 with open(stack_file, "a", encoding="utf-8") as f:
                     f.write(done.stdout)
-                return "py-spy"
+                return "py-spy", ""
             log.warning("py-spy dump of pid %d failed (%s); trying faulthandler", pid, done.stderr.strip()[:200])
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("py-spy dump of pid %d failed (%s); trying faulthandler", pid, exc)
     if not os.path.exists(stack_file):
-        return "none"
+        return "none", "no py-spy on PATH and the worker did not import rdzv_agent.progress"
+    try:
+        status = psutil.Process(pid).status()
+    except psutil.Error:
+        return "none", "the worker is gone"
+    if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+        return "none", f"the worker is stopped ({status}): it cannot write its stacks"
     before = os.path.getsize(stack_file)
     try:
         os.kill(pid, DUMP_SIGNAL)
     except OSError:
-        return "none"
+        return "none", "the worker is gone"
     deadline, size, steady_since = time.monotonic() + DUMP_WAIT, before, time.monotonic()
     while time.monotonic() < deadline:
         time.sleep(0.05)
@@ -191,7 +201,9 @@ def dump_stacks(pid: int, stack_file: str) -> str:
             size, steady_since = now_size, time.monotonic()
         elif size > before and time.monotonic() - steady_since >= 0.2:
             break
-    return "faulthandler" if size > before else "none"
+    if size > before:
+        return "faulthandler", ""
+    return "none", f"the worker wrote no stacks within {DUMP_WAIT:g} s of {DUMP_SIGNAL.name}"
 
 
 def read_dump(stack_file: str, offset: int = 0) -> str:
@@ -298,24 +310,26 @@ class HangWatch:
         the running ones) to their stack files and the log; return a :class:`WorkerHang` per ``hung`` rank."""
         timeout = self.monitor.hang_timeout
         files = self.monitor.stack_files()
+        since = {lr: self.monitor.seconds_since(lr) for lr in hung}  # before the dumps take their time
+        offsets = {lr: os.path.getsize(files[lr][1]) if os.path.exists(files[lr][1]) else 0 for lr in workers}
+        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(workers)),
+                                                   thread_name_prefix="rdzv-stack-dump") as pool:
+            dumps = {lr: pool.submit(dump_stacks, pid, files[lr][1]) for lr, (_, pid, _) in workers.items()}
         out: dict[int, Exception] = {}
         for lr, (rank, pid, stderr_path) in sorted(workers.items()):
             stack_file = files[lr][1]
-            offset = os.path.getsize(stack_file) if os.path.exists(stack_file) else 0
-            how = dump_stacks(pid, stack_file)
+            how, why = dumps[lr].result()
             state = "hung" if lr in hung else "running"
             if how == "none":
-                log.error("[%s] worker rank %d (pid %d, %s): no stack dump (no py-spy on PATH and the worker did not "
-                          "import rdzv_agent.progress)", role, rank, pid, state)
+                log.error("[%s] worker rank %d (pid %d, %s): no stack dump (%s)", role, rank, pid, state, why)
             else:
                 log.error("[%s] worker rank %d (pid %d, %s): Python stacks (%s, also in %s):\n%s", role, rank, pid,
-                          state, how, stack_file, read_dump(stack_file, offset).rstrip())
+                          state, how, stack_file, read_dump(stack_file, offsets[lr]).rstrip())
             if lr in hung:
-                since = self.monitor.seconds_since(lr)
                 out[rank] = WorkerHang(
                     global_rank=rank, local_rank=lr, exit_code=None, log_path=stderr_path, pid=pid,
-                    error=f"hung: no progress for {since:.1f} s > --hang-timeout {timeout:g} s; stacks "
-                          f"({how}): {stack_file if how != 'none' else 'none'}")
+                    error=f"hung: no progress for {since[lr]:.1f} s > --hang-timeout {timeout:g} s; stacks "
+                          f"({how}): {stack_file if how != 'none' else 'none: ' + why}")
         return out
 
     def stopping(self) -> None:

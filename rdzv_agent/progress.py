@@ -19,9 +19,11 @@ Without these variables (not under ``rdzv-run``) :func:`step` does nothing.
 from __future__ import annotations
 
 import faulthandler
+import operator
 import os
 import signal
 import threading
+import warnings
 from typing import IO
 
 __all__ = ["step", "FILE_ENV", "STACK_ENV", "DUMP_SIGNAL", "RECORD_BYTES"]
@@ -36,26 +38,43 @@ RECORD_BYTES = 24
 
 _lock = threading.Lock()
 _fd: int | None = None
+_BROKEN = -1  # _fd once the progress file could not be opened
 _dump_file: IO[str] | None = None  # kept open: faulthandler writes to its descriptor
 
 
 def step(n: int) -> None:
-    """Report that this worker reached step ``n`` (an int): one ``pwrite`` of :data:`RECORD_BYTES` bytes.
+    """Report that this worker reached step ``n``: one ``pwrite`` of :data:`RECORD_BYTES` bytes.
+
+    ``n`` is anything with ``__index__`` (an int, a numpy integer, an integer 0-d tensor). Not under
+    ``rdzv-run``: does nothing. A progress file that cannot be opened is reported once as a warning
+    and reporting stops: a progress hook never ends the training.
 
     Raises:
-        TypeError: ``n`` is not an int.
+        TypeError: under ``rdzv-run``, ``n`` is not an integer (e.g. a float or a bool).
     """
     global _fd
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"step(n) takes an int, got {type(n).__name__}")
     if _fd is None:
         path = os.environ.get(FILE_ENV)
         if not path:
             return
         with _lock:
             if _fd is None:
-                _fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-    os.pwrite(_fd, str(n).encode("ascii").ljust(RECORD_BYTES - 1) + b"\n", 0)
+                try:
+                    _fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+                except OSError as exc:
+                    _fd = _BROKEN
+                    warnings.warn(f"rdzv_agent.progress: cannot open {FILE_ENV}={path!r} ({exc}); "
+                                  "progress is not reported", RuntimeWarning, stacklevel=2)
+                    return
+    if _fd == _BROKEN:
+        return
+    if isinstance(n, bool):
+        raise TypeError("step(n) takes an integer, got bool")
+    try:
+        value = operator.index(n)
+    except TypeError:
+        raise TypeError(f"step(n) takes an integer, got {type(n).__name__}") from None
+    os.pwrite(_fd, str(value).encode("ascii").ljust(RECORD_BYTES - 1) + b"\n", 0)
 
 
 def _register_stack_dump() -> None:

@@ -5,8 +5,10 @@ keep-alive members into plain data (the ``"progress"`` object of ``rdzv status -
 :func:`render` makes the text of it, summary first and the worst nodes first, cut to a
 number of lines (readable at 1,000 nodes). A node is
 
-* **hung** when its slowest worker's last report is more than ``hang_timeout`` seconds old
-  (the ``--hang-timeout`` of ``rdzv status``, else the one its agent published; off if neither);
+* **hung** when its slowest worker's last report was more than ``hang_timeout`` seconds old when its agent
+  last published (the ``--hang-timeout`` of ``rdzv status``, else the one its agent published; off if
+  neither). Measured at the publication, not now: a record is up to one publish interval old, so "now"
+  would flag every node whose hang timeout is shorter than that interval;
 * a **straggler** when its step is more than ``steps`` behind the median step of the nodes that
   reported, or its last report more than ``seconds`` older than the median node's.
 
@@ -59,7 +61,8 @@ def analyse(progress: Iterable[NodeProgress], members: Iterable[Mapping[str, Any
         since = max(0.0, now - last)
         rows.append({"rank": p.rank, "host": p.host, "step": step, "since": round(since, 3),
                      "slowest_worker": p.slowest, "workers": len(p.workers), "keep_alive_age": ages.get(p.rank),
-                     "hang_timeout": limit, "hung": limit is not None and since > limit, "straggler": []})
+                     "hang_timeout": limit, "hung": limit is not None and p.published - last > limit,
+                     "straggler": []})
     median_step = statistics.median(r["step"] for r in rows) if rows else None
     median_since = statistics.median(r["since"] for r in rows) if rows else None
     for row in rows:

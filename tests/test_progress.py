@@ -255,6 +255,20 @@ def test_the_text_view_of_a_thousand_nodes_is_summarised_worst_first() -> None:
     assert "990 more" in lines[-1]
 
 
+def test_a_hang_timeout_shorter_than_the_publish_interval_flags_only_nodes_that_made_no_progress() -> None:
+    """Agents publish every RDZV_PROGRESS_INTERVAL (5 s): between publications a record ages. With
+    ``--hang-timeout 3`` a node stepping every 0.2 s was flagged HUNG (exit 1) for part of every interval
+    (fresh-user trial); the hang is judged at the publication: no progress for longer than the timeout
+    *then*."""
+    now = 1_000_000.0
+    busy = NodeProgress(0, "a", "a", now - 4.5, 3.0, {0: (98, now - 4.6)})  # stepping when published 4.5 s ago
+    stuck = NodeProgress(1, "b", "b", now - 0.5, 3.0, {1: (40, now - 4.0)})  # silent 3.5 s when published
+    members = [{"rank": r, "host": h, "keep_alive_age": 1.0} for r, h in ((0, "a"), (1, "b"))]
+    view = analyse([busy, stuck], members, 2, now=now)
+    assert view["summary"]["hung"] == [1]
+    assert analyse([busy, stuck], members, 2, hang_timeout=5.0, now=now)["summary"]["hung"] == []
+
+
 @pytest.mark.parametrize("argv, env, named", [
     (["--hang-timeout", "0"], {}, "--hang-timeout"),
     (["--metrics-port", "70000"], {}, "--metrics-port"),
@@ -294,3 +308,100 @@ def test_rdzv_status_bad_thresholds_are_usage_errors(capsys) -> None:
         with pytest.raises(SystemExit) as exit_info:
             admin_cli.main(["status", "memory://x/run", option, "-1"])
         assert exit_info.value.code == 2 and option in capsys.readouterr().err
+
+
+STOPPED_WORKER = textwrap.dedent(
+    """\
+    import json, os, sys, time
+    from rdzv_agent import progress
+
+    out = sys.argv[1]
+    with open(os.path.join(out, f"start.{os.environ['LOCAL_RANK']}.{os.getpid()}"), "w") as f:
+        json.dump({"restart": int(os.environ["TORCHELASTIC_RESTART_COUNT"]), "t": time.time()}, f)
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] != "0":
+        sys.exit(0)
+    n = 0
+    while True:
+        n += 1
+        progress.step(n)
+        time.sleep(0.05)
+    """
+)
+
+
+def test_stopped_workers_are_restarted_within_the_hang_timeout_not_a_dump_wait_each(tmp_path) -> None:
+    """Both workers of a node frozen by SIGSTOP (as a frozen cgroup): the agent cannot get their stacks; it
+    must say so and restart the group about ``--hang-timeout`` after their last step. Before, it waited 10 s
+    for each stopped worker's faulthandler dump in turn (23 s for two, 80 s for eight; fresh-user trial)."""
+    import signal
+
+    out = str(tmp_path)
+    script = os.path.join(out, "w.py")
+    with open(script, "w") as f:
+        f.write(STOPPED_WORKER)
+    url = f"file://{out}/kv/stopped?min_nodes=1&max_nodes=1&keep_alive_ttl=3"
+    node = Launcher(["--rdzv", url, "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1",
+                     "--hang-timeout", "2", "--shutdown-timeout", "1", "--log-dir", os.path.join(out, "logs"),
+                     script, out], out, "node", env={"RDZV_PROGRESS_INTERVAL": "0.3"})
+
+    def starts(restart: int) -> dict[int, float]:
+        found = {}
+        for name in os.listdir(out):
+            if name.startswith("start."):
+                _, lr, pid = name.split(".")
+                with open(os.path.join(out, name)) as f:
+                    record = json.load(f)
+                if record["restart"] == restart:
+                    found[int(pid)] = record["t"]
+        return found
+
+    try:
+        first = until("both workers started", lambda: len(starts(0)) == 2 and starts(0), 60)
+        time.sleep(0.5)  # a few steps each
+        for pid in first:
+            os.kill(pid, signal.SIGSTOP)
+        stopped = time.time()
+        second = until("the restarted workers", lambda: len(starts(1)) == 2 and starts(1), 60, 0.05)
+        assert min(second.values()) - stopped < 2 + 6, f"restarted {min(second.values()) - stopped:.1f} s after"
+        assert node.wait(30) == 0, node.tail()
+    finally:
+        node.kill_all()
+
+
+def test_step_takes_numpy_and_tensor_integers_and_a_bad_progress_file_does_not_end_the_training(tmp_path) -> None:
+    """``step(global_step)`` with a numpy integer or an integer 0-d tensor counts (it raised TypeError); a
+    float is refused only under rdzv-run; a progress file that cannot be opened is one warning, not a crash
+    (it raised FileNotFoundError into the training loop). Fresh-user trial."""
+    import subprocess
+    import sys
+
+    code = textwrap.dedent("""\
+        import sys, numpy
+        from rdzv_agent import progress
+        progress.step(numpy.int64(5)); print(open(sys.argv[1]).read().split()[0] if sys.argv[1] else "-")
+        if sys.argv[1]:  # torch only where the value is read back (its import is slow)
+            import torch
+            progress.step(torch.tensor(6)); print(open(sys.argv[1]).read().split()[0])
+        else:
+            progress.step(6); print("-")
+        try:
+            progress.step(5.0)
+            print("float taken")
+        except TypeError:
+            print("float refused")
+        """)
+    path = str(tmp_path / "progress")
+
+    def run(progress_file: str, shown: str) -> list[str]:
+        env = {k: v for k, v in os.environ.items() if k != "RDZV_PROGRESS_FILE"}
+        if progress_file:
+            env["RDZV_PROGRESS_FILE"] = progress_file
+        done = subprocess.run([sys.executable, "-W", "always", "-c", code, shown], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split("\n")[:3] + [done.stderr]
+
+    assert run(path, path)[:3] == ["5", "6", "float refused"]
+    assert run("", "")[:3] == ["-", "-", "float taken"]  # not under rdzv-run: nothing happens
+    broken = run(str(tmp_path / "missing" / "progress"), "")
+    assert broken[:3] == ["-", "-", "float taken"] and "RuntimeWarning" in broken[3]
