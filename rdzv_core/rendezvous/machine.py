@@ -136,8 +136,8 @@ class RoundMachine:
         if step is Step.CHECK_FROZEN_STALL:
             self._check_frozen_stall(entry, record)
         self._progress("setup" if record.status is Status.SETUP else "waiting", record.version, 0, deadline)
-        wait_for_change(self.kv, self.keys.state_dir, seen,
-                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline))
+        wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline), seen)
         raise Retry(f"round was {record.status.value}")
 
     # -- the phases -----------------------------------------------------------------------------
@@ -258,7 +258,7 @@ class RoundMachine:
             except KeyNotFoundError:
                 return
             self._progress("last-call", version, self._counter(self.keys.joined(version, rid)), deadline)
-            wait_for_change(self.kv, self.keys.state_dir, seen, min(now + ttl / 3, end))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end), seen)
 
     def _wait_until_not_joinable(self, version: int, rid: str | None, deadline: float) -> tuple[Entry, RoundRecord]:
         """Wait for the round to leave ``joinable``; destroy it if it reached ``min_nodes`` and has had
@@ -283,7 +283,8 @@ class RoundMachine:
                 stalled_at = None
             if time.monotonic() >= deadline:
                 raise Deadline()
-            wait_for_change(self.kv, self.keys.state_dir, seen, min(time.monotonic() + 2 * ttl, deadline))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                            min(time.monotonic() + 2 * ttl, deadline), seen)
 
     def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> RoundResult:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final
@@ -332,7 +333,8 @@ class RoundMachine:
             self._progress("confirming", version, world, deadline)
             if time.monotonic() >= deadline:
                 raise Deadline()
-            wait_for_change(self.kv, self.keys.state_dir, seen, min(time.monotonic() + ttl / 3, deadline))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                            min(time.monotonic() + ttl / 3, deadline), seen)
 
     def _publish_ranks(self, version: int, rid: str | None, world: int, policy: str) -> None:
         """:func:`~.ranks.store_ranks` for the round this node completes (before it becomes final).
@@ -421,9 +423,9 @@ class RoundMachine:
         return entry, record
 
     def _read_state_at(self) -> tuple[Entry | None, RoundRecord | None, int]:
-        """:meth:`_read_state` and the keyspace revision of the read (int): waits for a change watch
-        from there, not from the record's own revision -- that one may be older than a backend's event
-        history (etcd v2 keeps 1,000 events: a watch from it fails at once, and the wait would spin)."""
+        """:meth:`_read_state` and the keyspace revision of the read (int): waits watch from the record's
+        own revision (so waiting nodes share one server watch) and go on from the read's where the
+        backend's history no longer reaches back that far (etcd v2 keeps 1,000 events: the wait spun)."""
         entries, revision = self.kv.list(self.keys.state_dir)
         found = {e.key: e for e in entries}
         closed = found.get(self.keys.closed)
