@@ -170,10 +170,12 @@ class _Worker:
         event = self.events[event_index]
         if not event.wait(wait_limit):
             raise TimeoutError(f"start event {event_index} was not set within {wait_limit} s")
+        cpu = os.times()
         self._release.set()
         deadline = time.monotonic() + wait_limit  # then report whoever finished (a timeout)
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        after = os.times()
         results = []
         for agent in self._chosen:
             res = dict(agent.result) or {"unfinished": True, "error": "did not finish within the time limit"}
@@ -181,6 +183,8 @@ class _Worker:
                 res["counts"] = agent.proxy.snapshot()
             res["victim"] = agent.victim
             results.append(res)
+        if results:  # this process's CPU seconds (every thread, user + system) from the release to the last done
+            results[0]["worker_cpu_s"] = round(after.user - cpu.user + after.system - cpu.system, 3)
         return results
 
     def _run_agent(self, agent: _Agent, release: threading.Event) -> None:

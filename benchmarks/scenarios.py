@@ -133,6 +133,7 @@ def _record(t_from: float, agents: list[dict[str, Any]], world: int, server: dic
         "counts_per_agent": summarise_counts(agents),
         "server_requests_per_agent": _per_agent(server, len(agents)),
         "server_cpu_s": None if server_cpu is None else round(server_cpu, 3),
+        "client_cpu_s": round(sum(a.get("worker_cpu_s", 0.0) for a in agents), 3),  # the worker processes'
         "agent_errors": _errors(agents),
         "log": tally,
     }

@@ -478,11 +478,17 @@ def parse_counter(key: str, raw: bytes) -> int:
 WATCH_SLICE = 60.0
 
 
-def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: float) -> bool:
+def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: float,
+                    read_revision: int | None = None) -> bool:
     """Block until something under ``prefix`` changes after ``after_revision``, or ``deadline``.
 
     Args:
         deadline: absolute ``time.monotonic()`` value (``float("inf")``: no deadline).
+        read_revision: the keyspace revision of the caller's read of ``prefix`` (``list``), if any:
+            where the backend no longer has the events after ``after_revision`` (etcd v2 keeps
+            1,000), the wait goes on from there instead of reporting lost history -- a caller
+            that re-read and watched from the same old revision would spin. Callers pass an
+            entry's revision as ``after_revision`` so that their watches can share one server watch.
 
     Returns:
         ``True`` if a change (or lost history, which callers treat the same way:
@@ -496,6 +502,8 @@ def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: f
             if kv.watch(prefix, after_revision, min(remaining, WATCH_SLICE)):
                 return True
         except HistoryCompacted:
-            return True
+            if read_revision is None or read_revision <= after_revision:
+                return True
+            after_revision, read_revision = read_revision, None
     return False
 

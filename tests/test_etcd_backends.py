@@ -131,6 +131,52 @@ def test_v2_index_cleared_is_history_compacted(etcd: EtcdServer, opener: Callabl
     ]
 
 
+class _StateReads:
+    """A real client that counts its ``list`` calls of a run's ``state/`` directory (the round-record reads)."""
+
+    def __init__(self, kv: KVBackend) -> None:
+        self._kv = kv
+        self.reads = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._kv, name)
+
+    def list(self, prefix: str) -> tuple[list[object], int]:
+        if prefix.endswith("/state/"):
+            self.reads += 1
+        return self._kv.list(prefix)  # type: ignore[return-value]
+
+
+def test_v2_a_node_waiting_on_an_old_round_record_does_not_spin(
+    etcd: EtcdServer, opener: Callable[[str], KVBackend]
+) -> None:
+    """A node joins a round whose record last changed more than 1,000 etcd v2 events ago (other keys written
+    meanwhile): it must wait for the record, not re-read it in a loop (a watch from the record's own index
+    fails at once with "index cleared"); the round then completes with ranks 0-2."""
+    from conformance_tests.test_rendezvous import Agent
+    from rdzv_core import RendezvousParams
+
+    url = f"etcd-v2://{etcd.address}/"
+    params = RendezvousParams(min_nodes=3, max_nodes=3, keep_alive_ttl=3.0, last_call_timeout=0.5, timeout=60)
+    run_id = f"spin{os.getpid()}x{time.monotonic_ns()}"
+    first = Agent(opener(url), run_id, params).start()
+    probe = opener(url)
+    deadline = time.monotonic() + 30
+    while not [e for e in probe.list(f"{params.prefix}/run_{run_id}/")[0] if e.key.endswith("/joined")]:
+        assert time.monotonic() < deadline, "the first node did not join"
+        time.sleep(0.05)
+    for i in range(1100):  # etcd keeps the last 1,000 v2 events
+        probe.put("spin-filler/k", str(i).encode())
+    counted = _StateReads(opener(url))
+    second = Agent(counted, run_id, params).start()  # type: ignore[arg-type]
+    time.sleep(2.0)  # the second node joins and waits for the round to freeze
+    reads = counted.reads
+    third = Agent(opener(url), run_id, params).start()
+    ranks = sorted(a.wait(30).rank for a in (first, second, third))
+    assert reads <= 10, f"the waiting node read the round record {reads} times in 2 s"
+    assert ranks == [0, 1, 2]
+
+
 def test_v3_compaction_is_history_compacted(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
     kv = opener(f"etcd-v3://{etcd.address}/")
     first = kv.put("compact/k", b"1")
@@ -889,13 +935,19 @@ def test_adds_from_many_clients_on_one_counter(
     assert sorted(t for r in totals for t in r) == list(range(1, 3 * len(clients) + 1))
 
 
-def test_race_retry_sleeps_only_without_progress() -> None:
+def test_race_retry_pauses_under_contention() -> None:
+    """A first lost race and the one right after a pause retry at once (their state was stale); a second loss in
+    a row with fresh state pauses a random time below 2 ms doubling per pause (N clients on one counter would
+    otherwise make ~N^2/2 attempts); a loss without progress retries once at once, then backs off."""
     race = RaceRetry(Deadline(10.0))
     started = time.monotonic()
-    assert all(race.again(progressed=True) for _ in range(1000))
+    assert race.again(progressed=True) and race.pauses == 0, "the first lost race retries at once"
+    for expected in range(1, 7):
+        assert race.again(progressed=True) and race.pauses == expected, "a second loss in a row pauses"
+        assert race.again(progressed=True) and race.pauses == expected, "the attempt after a pause is stale"
+    assert time.monotonic() - started < 1.0, "six pauses below 2+4+...+64 ms"
     assert race.again(progressed=False), "the first failure without progress retries at once"
-    assert time.monotonic() - started < 1.0, "lost races with progress must not sleep"
-    assert race.attempts == 1001
+    assert race.attempts == 14 and race.pauses == 6
     short = RaceRetry(Deadline(0.3))
     while short.again(progressed=False):
         pass

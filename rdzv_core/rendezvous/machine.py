@@ -115,9 +115,10 @@ class RoundMachine:
             Retry: start over (the round changed, or this step only waited).
         """
         started = time.monotonic()
-        entry, record = self._read_state()
+        entry, record, seen = self._read_state_at()
         if entry is None or record is None:
             entry, record = self._setup(time.monotonic() - started, deadline)
+            seen = entry.revision
         step = next_step(record, self._held, self.params.limit, entry.key)
         if step is Step.CLOSED:
             if self._spare_since is not None:
@@ -136,7 +137,7 @@ class RoundMachine:
             self._check_frozen_stall(entry, record)
         self._progress("setup" if record.status is Status.SETUP else "waiting", record.version, 0, deadline)
         wait_for_change(self.kv, self.keys.state_dir, entry.revision,
-                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline))
+                        min(time.monotonic() + self.params.keep_alive_ttl / 3, deadline), seen)
         raise Retry(f"round was {record.status.value}")
 
     # -- the phases -----------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class RoundMachine:
         end = min(time.monotonic() + p.last_call_timeout, deadline)
         self._log(logging.INFO, "reached min_nodes; last call for %.1f s", p.last_call_timeout, version=version)
         while True:
-            entry, record = self._read_state()
+            entry, record, seen = self._read_state_at()
             if entry is None or record is None or record.status is not Status.JOINABLE or \
                     not record.is_round(version, rid):
                 return
@@ -257,7 +258,7 @@ class RoundMachine:
             except KeyNotFoundError:
                 return
             self._progress("last-call", version, self._counter(self.keys.joined(version, rid)), deadline)
-            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end), seen)
 
     def _wait_until_not_joinable(self, version: int, rid: str | None, deadline: float) -> tuple[Entry, RoundRecord]:
         """Wait for the round to leave ``joinable``; destroy it if it reached ``min_nodes`` and has had
@@ -265,7 +266,7 @@ class RoundMachine:
         ttl = self.params.keep_alive_ttl
         stalled_at: int | None = None
         while True:
-            entry, record = self._read_state()
+            entry, record, seen = self._read_state_at()
             if entry is None or record is None:
                 raise Retry(f"round {version} expired before it froze")
             if record.status is not Status.JOINABLE or not record.is_round(version, rid):
@@ -282,7 +283,8 @@ class RoundMachine:
                 stalled_at = None
             if time.monotonic() >= deadline:
                 raise Deadline()
-            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + 2 * ttl, deadline))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                            min(time.monotonic() + 2 * ttl, deadline), seen)
 
     def _confirm(self, version: int, rid: str | None, rank: int, world: int, deadline: float) -> RoundResult:
         """Confirm membership with a keep-alive key; the last to confirm makes the round final
@@ -316,7 +318,7 @@ class RoundMachine:
             except Deadline:
                 pass
         while True:
-            entry, record = self._read_state()
+            entry, record, seen = self._read_state_at()
             if entry is None or record is None or not record.is_round(version, rid) or \
                     record.status not in (Status.FROZEN, Status.FINAL):
                 raise Retry(f"round {version} ended before it became final")
@@ -328,7 +330,8 @@ class RoundMachine:
             self._progress("confirming", version, world, deadline)
             if time.monotonic() >= deadline:
                 raise Deadline()
-            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(time.monotonic() + ttl / 3, deadline))
+            wait_for_change(self.kv, self.keys.state_dir, entry.revision,
+                            min(time.monotonic() + ttl / 3, deadline), seen)
 
     def _publish_ranks(self, version: int, rid: str | None, world: int, policy: str) -> None:
         """:func:`~.ranks.store_ranks` for the round this node completes (before it becomes final).
@@ -413,15 +416,22 @@ class RoundMachine:
         Raises:
             RendezvousStateError: the record is corrupt (:meth:`RoundRecord.decode`).
         """
-        entries, _ = self.kv.list(self.keys.state_dir)
+        entry, record, _ = self._read_state_at()
+        return entry, record
+
+    def _read_state_at(self) -> tuple[Entry | None, RoundRecord | None, int]:
+        """:meth:`_read_state` and the keyspace revision of the read (int): waits watch from the record's
+        own revision (so waiting nodes share one server watch) and go on from the read's where the
+        backend's history no longer reaches back that far (etcd v2 keeps 1,000 events: the wait spun)."""
+        entries, revision = self.kv.list(self.keys.state_dir)
         found = {e.key: e for e in entries}
         closed = found.get(self.keys.closed)
         if closed is not None:
-            return closed, RoundRecord(Status.CLOSED)
+            return closed, RoundRecord(Status.CLOSED), revision
         entry = found.get(self.keys.round_record)
         if entry is None:
-            return None, None
-        return entry, RoundRecord.decode(entry)
+            return None, None, revision
+        return entry, RoundRecord.decode(entry), revision
 
     def _transition(self, version: int, rid: str | None, source: Status,
                     target: Callable[[RoundRecord], RoundRecord], deadline: float,
