@@ -136,8 +136,9 @@ def test_ranks_stay_put_across_rounds_a_kill_and_a_join(make_job, launcher) -> N
     for s in job.starts():
         if s["local_rank"] == 0 and s["group_world"] == 3:
             by_node.setdefault(s["node"], set()).add(s["group_rank"])
-    rounds = sum(1 for s in job.starts() if s["local_rank"] == 0 and s["group_world"] == 3) / 3
-    assert rounds >= 4, job.starts()
+    # four rounds (three failures, then a complete round after the last): the wait above. Not every node starts
+    # workers in every round: a round whose failing worker ends at once may be over before another node's start.
+    assert set(by_node) == {"A", "B", "C"}, job.starts()
     assert all(len(ranks) == 1 for ranks in by_node.values()), f"group ranks moved: {by_node}"
     first = {node: next(iter(ranks)) for node, ranks in by_node.items()}
     if torchrun:
