@@ -9,6 +9,19 @@ import uuid
 from rdzv_core import Rendezvous, RendezvousParams, open_backend, roundwatch
 
 
+def _next_rounds(members: list[Rendezvous]) -> list:
+    """Each member's ``next_round()``, run at once on threads of their own (20 s each at most; ``None``
+    for one that did not return)."""
+    results: list = [None] * len(members)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].next_round()))
+               for i in range(len(members))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    return results
+
+
 def _watch_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(roundwatch.THREAD_PREFIX)]
 
@@ -19,13 +32,7 @@ def test_members_in_one_process_share_one_watch_and_the_last_one_out_stops_it() 
     params = RendezvousParams(min_nodes=3, max_nodes=3, keep_alive_ttl=1.0, timeout=20)
     members = [Rendezvous(kv, "job", params) for kv in clients]
     try:
-        results: list = [None] * 3
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].next_round()))
-                   for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        results = _next_rounds(members)
         version = results[0].version
         ours = {k: v for k, v in roundwatch.watched_rounds().items() if k[0].startswith(members[0].keys.tree)}
         assert list(ours.values()) == [3] and next(iter(ours))[1] == version
@@ -81,13 +88,7 @@ def test_a_member_whose_own_key_lapsed_destroys_its_round() -> None:
     params = RendezvousParams(min_nodes=2, keep_alive_ttl=0.6, last_call_timeout=0.1, timeout=20)
     members = [_Unwatched(kv, "job", params) for _ in range(2)]
     try:
-        results: list = [None] * 2
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, members[i].next_round()))
-                   for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(20)
+        results = _next_rounds(members)
         assert [r.world_size for r in results] == [2, 2]
         lapsed = members[0]._alive_key
         assert lapsed is not None and kv.get(lapsed) is not None
