@@ -36,7 +36,7 @@ import pytest
 
 from agent_workers.harness import wait_until
 from conformance_tests.proxy import Mode, TCPProxy
-from conformance_tests.test_rendezvous import Agent, round_of
+from conformance_tests.test_rendezvous import Agent, _Hooked, round_of
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
@@ -314,21 +314,17 @@ def test_a_node_interrupted_while_waiting_keeps_its_ticket(
     assert {(r.version, r.world_size) for r in results} == {(state["version"], 2)}
 
 
-class _HeldConfirmation:
-    """A real client whose first ``add`` to a ``.../confirmed`` counter waits for :attr:`release`."""
+def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threading.Event]:
+    """``(client, waiting, release)``: a real client whose first ``add`` to a ``.../confirmed`` counter sets
+    ``waiting`` and waits for ``release``."""
+    waiting, release = threading.Event(), threading.Event()
 
-    def __init__(self, kv: KVBackend) -> None:
-        self._kv = kv
-        self.waiting, self.release = threading.Event(), threading.Event()
+    def hold(key: str) -> None:
+        if key.endswith("/confirmed") and not release.is_set():
+            waiting.set()
+            release.wait(60)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._kv, name)
-
-    def add(self, key: str, delta: int) -> int:
-        if key.endswith("/confirmed") and not self.release.is_set():
-            self.waiting.set()
-            self.release.wait(60)
-        return self._kv.add(key, delta)
+    return _Hooked(kv, before_add=hold), waiting, release
 
 
 def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
@@ -340,11 +336,11 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=3.0, last_call_timeout=0.5, timeout=60)
     run_id = f"netfaults{uuid.uuid4().hex[:10]}"
-    slow = _HeldConfirmation(clients(direct=True))
+    slow, waiting, release = _held_confirmation(clients(direct=True))
     a, b = Agent(clients(), run_id, params), Agent(slow, run_id, params)  # type: ignore[arg-type]
     caplog.set_level("WARNING", logger="rdzv_core.rendezvous")
     a.start(), b.start()
-    assert slow.waiting.wait(30), "B never reached its confirmation"
+    assert waiting.wait(30), "B never reached its confirmation"
     observer = Rendezvous(clients(direct=True), run_id, params)
     wait_until(lambda: observer.describe().get("alive"), 30, "A to confirm (its keep-alive key appears)")
     proxy.set_mode(Mode.DROP)
@@ -352,7 +348,7 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
                "A to see the backend fail")
     proxy.set_mode(Mode.PASS)
     assert not a.done.wait(2.0), f"A finished while B's confirmation was held: {a.result or a.error}"
-    slow.release.set()
+    release.set()
     results = [a.wait(30), b.wait(30)]
     assert sorted(r.rank for r in results) == [0, 1]
     assert len({(r.version, r.round_id, r.world_size) for r in results}) == 1 and results[0].world_size == 2
