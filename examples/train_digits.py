@@ -72,6 +72,7 @@ its TCPStore with the workers and keeps it across restarts, so after a restart g
 from __future__ import annotations
 
 import argparse
+import gc
 import glob
 import math
 import os
@@ -343,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     held_out_accuracy = accuracy(model, x_held, y_held) if rank == 0 else None
     if distributed:
         dist.barrier()  # no rank leaves while rank 0 may still write its last checkpoint
+        # DDP's reducer holds the process group: free it first, so gloo's threads are joined here and
+        # not at interpreter exit, where they may abort the process (SIGABRT; pytorch#190489).
+        del ddp_model
+        gc.collect()
         dist.destroy_process_group()
     if rank == 0:
         print(f"accuracy={held_out_accuracy:.4f}", flush=True)

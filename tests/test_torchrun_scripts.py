@@ -55,7 +55,7 @@ def results(proc: subprocess.CompletedProcess[str]) -> dict[int, dict[str, str]]
 def test_the_ddp_tutorial_gives_the_same_model_under_both_launchers(tmp_path: Path) -> None:
     runs = {name: launch(name, "ddp_basic.py", [], tmp_path) for name in LAUNCHERS}
     for name, proc in runs.items():
-        assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
+        assert proc.returncode == 0, f"{name}: {proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
     torchrun, ours = results(runs["torchrun"]), results(runs["rdzv-run"])
     assert sorted(ours) == sorted(torchrun) == [0, 1]
     assert ours == torchrun  # the same losses per rank and the same trained parameters
