@@ -1,8 +1,8 @@
 """End to end: several ``rdzv-run`` nodes train ``examples/train_digits.py`` elastically.
 
 Each node is one launcher with one worker (2 cores). The backend is a
-parameter (the conformance plugin's ``--rdzv-url``, by default ``file://``), so
-the same scenarios run on etcd and Redis. The tests assert outcomes: exit
+parameter (the conformance plugin's ``--rdzv-url``): ``file://`` and Redis
+(``agent_scenario``, see ``tests/conftest.py``). The tests assert outcomes: exit
 codes, the world sizes rank 0 reported (``WORLD_SIZE_SEEN``), that training
 resumed from the checkpoint (``RESUMED_FROM_EPOCH``) and the final accuracy.
 """
@@ -19,7 +19,7 @@ import pytest
 from agent_workers.harness import TRAIN_DIGITS, Launcher, accuracies, ints_after, kill_run, pid_alive, wait_until
 from rdzv_core import create_handler
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario]  # over file:// and redis:// (tests/conftest.py)
 
 START = 240.0  # seconds for nodes to start, form a round and begin training (torch imports on 2 cores)
 FINISH = 300.0  # seconds for the job to finish after the fault

@@ -23,6 +23,8 @@ from rdzv_agent.launcher import main
 from rdzv_agent.master import choose_port
 from rdzv_core import create_handler
 
+pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+
 FAST = {"last_call_timeout": "0.5", "keep_alive_ttl": "2", "timeout": "60"}
 
 

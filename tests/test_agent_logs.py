@@ -15,6 +15,8 @@ import pytest
 
 from agent_workers.harness import HERE, Launcher, kill_run, wait_until
 
+pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+
 LOG_WORKER = os.path.join(HERE, "log_worker.py")
 
 

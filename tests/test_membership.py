@@ -210,6 +210,7 @@ def test_a_frozen_node_is_noticed_within_the_keep_alive_ttl(job, launcher) -> No
 # -- 3. the exit barrier ----------------------------------------------------------------------------------
 
 
+@pytest.mark.agent_scenario  # the exit barrier uses torch's store keys: backend-neutral
 def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_without_it(job) -> None:
     """C's workers finish first: C holds at the exit barrier and the run stays open; A's worker then fails:
     A and B re-form at world size 2 (C leaves, the run still open); when they finish, the run is closed."""
@@ -238,6 +239,7 @@ def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_withou
     assert job.is_closed()  # the last nodes to finish closed it, together
 
 
+@pytest.mark.agent_scenario  # the exit barrier uses torch's store keys: backend-neutral
 @pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
 def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, launcher) -> None:
     """C's workers finish and C waits at the exit barrier, then C's host is lost: A and B train on with the
@@ -275,6 +277,7 @@ def _running(pid: int) -> bool:
 # -- 4. mixed worker counts ---------------------------------------------------------------------------------
 
 
+@pytest.mark.agent_scenario  # ranks come from the handler: backend-neutral
 def test_nodes_with_different_worker_counts_get_distinct_ranks(job) -> None:
     """A runs 1 worker, B runs 2: world size 3, global ranks 0-2 by group rank then local rank."""
     job.node("A", "2:2", nproc=1, collective=False, pg_timeout=20.0, trainer_args=("--max-steps", "1"))

@@ -22,6 +22,8 @@ pytest.importorskip("torch")
 
 from torch.distributed.elastic.events.api import Event, EventSource, NodeState, RdzvEvent  # noqa: E402
 
+pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+
 node_url = test_agent_launcher.node_url  # the fixture: a fresh run's URL on the backend under test
 
 #: rank FAIL_RANK raises (with torch's @record) while TORCHELASTIC_RESTART_COUNT < FAIL_TIMES (KILL=1: SIGKILLs

@@ -1,0 +1,51 @@
+"""Which backends the launcher-level scenarios run over.
+
+The conformance plugin runs every test that takes ``rdzv_base_url`` once per ``--rdzv-url``. Tests marked
+``agent_scenario`` exercise the launcher (``rdzv-run``, torchrun with the ``rdzv-*`` handlers) on top of the
+handler: what they check does not depend on the backend (the agent knows only the handler), and each takes
+seconds to minutes of real processes. They run over :data:`AGENT_SCENARIO_BACKENDS` only -- the embedded
+default and one server -- and are deselected for the other URLs; ``--rdzv-every-backend`` runs them over all.
+Every backend is covered by the conformance suite, by the membership scenarios that depend on a backend's
+watch and TTL (``tests/test_membership.py``: a frozen node, a spare) and by the multi-host scenarios.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+#: URL schemes (or ``backend`` fixture ids) the ``agent_scenario`` tests run over.
+AGENT_SCENARIO_BACKENDS = ("file", "redis")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--rdzv-every-backend", action="store_true", default=False,
+                     help="run the agent_scenario tests over every --rdzv-url, not only "
+                          f"{', '.join(AGENT_SCENARIO_BACKENDS)}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "agent_scenario: launcher-level scenario, run over "
+                            f"{' and '.join(AGENT_SCENARIO_BACKENDS)} only (tests/conftest.py)")
+
+
+def _backend_of(item: pytest.Item) -> str | None:
+    """The scheme of the backend ``item`` runs over (``rdzv_base_url`` or a ``backend`` fixture), if any."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    url = params.get("rdzv_base_url")
+    if isinstance(url, str):
+        return url.split("://", 1)[0]
+    backend = params.get("backend")
+    return backend if isinstance(backend, str) else None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--rdzv-every-backend"):
+        return
+    keep, drop = [], []
+    for item in items:
+        scheme = _backend_of(item)
+        chosen = scheme is None or scheme in AGENT_SCENARIO_BACKENDS
+        (keep if chosen or item.get_closest_marker("agent_scenario") is None else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
