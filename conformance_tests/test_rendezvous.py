@@ -325,6 +325,35 @@ def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_
             agent.rdzv.leave()
 
 
+def test_a_confirmation_lost_to_a_backend_error_is_repaired_not_the_round_destroyed(kv_factory, run_id) -> None:
+    """B's first confirmation ``add`` fails before it reaches the backend (a transient error: the node cannot
+    tell it from one that took effect, so it never counts again). Expected: the round of 2 becomes final in
+    its first version, found complete from the members' keep-alive keys. Before, the count stayed at 1,
+    the frozen round stalled and was destroyed after keep_alive_ttl, and a second round was formed (what
+    1,024 clients on one overloaded machine met again and again)."""
+    from rdzv_core.errors import BackendUnavailableError
+
+    failed = threading.Event()
+
+    def lose_first_confirmation(key: str) -> None:
+        if key.endswith("/confirmed") and not failed.is_set():
+            failed.set()
+            raise BackendUnavailableError("injected: the confirmation never reached the backend")
+
+    params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
+    a = Agent(kv_factory(), run_id, params)
+    b = Agent(_Hooked(kv_factory(), before_add=lose_first_confirmation), run_id, params)  # type: ignore[arg-type]
+    try:
+        a.start(), b.start()
+        results = _wait_all([a, b], timeout=30)
+        assert failed.is_set(), "the fault was not injected: B never confirmed"
+        _assert_round(results, 2)
+        assert results[0].version == 1, [r.version for r in results]
+    finally:
+        for agent in (a, b):
+            agent.rdzv.leave()
+
+
 def test_leaving_member_lets_others_reform_promptly(agents) -> None:
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
     r1 = _wait_all(group)

@@ -27,7 +27,6 @@ from ..errors import (
     BackendClosedError,
     BackendUnavailableError,
     CompareFailedError,
-    CorruptEntryError,
     KeyExistsError,
     KeyNotFoundError,
     RendezvousClosedError,
@@ -35,7 +34,8 @@ from ..errors import (
     RendezvousStateError,
 )
 from ..keepalive import KeepAlive
-from ..kv import Entry, KVBackend, parse_counter, wait_for_change
+from ..kv import Entry, KVBackend, wait_for_change
+from .state_io import RoundIO
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
@@ -43,16 +43,13 @@ from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
 
-#: The rendezvous' logger (one name for the whole package).
-log = logging.getLogger("rdzv_core.rendezvous")
-
 #: seconds: the shortest window over which nodes that find no round stagger their setup (see ``_setup``).
 SETUP_STAGGER = 0.05
 #: Seconds between two INFO lines of a node waiting as a spare.
 SPARE_LOG_EVERY = 60.0
 
 
-class RoundMachine:
+class RoundMachine(RoundIO):
     """One node's rounds of one run over a :class:`KVBackend`: the protocol under :class:`Rendezvous`.
 
     Args:
@@ -300,23 +297,18 @@ class RoundMachine:
         self._alive_key, self._alive_info = alive_key, info
         self._keepalive = self._start_keepalive(alive_key, info, f"rdzv-keepalive-{self.run_id}-v{version}")
         held = self._held
+        in_doubt = False
         if held is not None and held.confirmed and held.is_round(version, rid):
-            # Resumed after a backend error: counted already (or maybe: the add's answer was lost). Never
-            # count twice: a lost confirmation stalls the round (destroyed after keep_alive_ttl), one
-            # counted twice would make it final without a member.
+            # Resumed after a backend error: counted already, or the add never took effect. Never count
+            # twice (that would make the round final without a member); a lost count is repaired from
+            # the keep-alive keys instead (_check_frozen_stall).
             confirmed = self._counter(self.keys.confirmed(version, rid))
+            in_doubt = confirmed < world
         else:
             self._held = Held(version, rid, rank + 1, confirmed=True)
             confirmed = self._add(self.keys.confirmed(version, rid))
         if confirmed == world:
-            policy = None if p.rank_policy == "join" else p.rank_policy
-            if policy is not None:
-                self._publish_ranks(version, rid, world, policy)
-            final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
-            try:
-                self._transition(version, rid, Status.FROZEN, lambda _: final, deadline)
-            except Deadline:
-                pass
+            self._make_final(version, rid, world, deadline)
         while True:
             entry, record, seen = self._read_state_at()
             if entry is None or record is None or not record.is_round(version, rid) or \
@@ -326,7 +318,10 @@ class RoundMachine:
                 self._final_revision = entry.revision
                 group_rank = rank if record.ranks is None else load_rank(self.kv, self.keys, version, rid, rank, world)
                 return RoundResult(version, group_rank, world, rid or "", slot=rank)
-            self._check_frozen_stall(entry, record)
+            if self._check_frozen_stall(entry, record, repair=in_doubt):
+                self._make_final(version, rid, world, deadline)
+                in_doubt = False
+                continue
             self._progress("confirming", version, world, deadline)
             if time.monotonic() >= deadline:
                 raise Deadline()
@@ -347,20 +342,51 @@ class RoundMachine:
             raise Retry(f"round {version} lost a member before its ranks were given")
         self._log(logging.INFO, "group ranks by %s: %s", policy, ranks[:32], version=version)
 
-    def _check_frozen_stall(self, entry: Entry, record: RoundRecord) -> None:
+    def _make_final(self, version: int, rid: str | None, world: int, deadline: float) -> None:
+        """Make frozen round ``(version, rid)`` of ``world`` members final: its ranks (a rank policy's),
+        then the record. Does nothing if the record is no longer that frozen round."""
+        entry, record = self._read_state()
+        if entry is None or record is None or record.status is not Status.FROZEN or not record.is_round(version, rid):
+            return
+        policy = None if self.params.rank_policy == "join" else self.params.rank_policy
+        if policy is not None:
+            self._publish_ranks(version, rid, world, policy)
+        final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
+        try:
+            self._transition(version, rid, Status.FROZEN, lambda _: final, deadline)
+        except Deadline:
+            pass
+
+    def _check_frozen_stall(self, entry: Entry, record: RoundRecord, repair: bool = False) -> bool:
         """Destroy a frozen round whose (record revision, confirmation count) has not changed for
         ``keep_alive_ttl`` seconds on this node's monotonic clock.
+
+        With ``repair`` (this member's own count may be the one lost: its ``add`` failed without an
+        answer), after ``keep_alive_ttl / 3`` unchanged it first lists the keep-alive keys: a key for every
+        slot means every member confirmed, and the round may be made final instead.
+
+        Returns:
+            ``True`` if the round is to be made final (``repair`` and every slot's key present).
 
         Raises:
             Retry: this node destroyed the round (it returns if the record changed first).
         """
+        world = record.participants or 0
         confirmed = self._counter(self.keys.confirmed(record.version, record.id))
-        if self._stall.same_for((entry.key, entry.revision, confirmed)) >= self.params.keep_alive_ttl:
+        unchanged = self._stall.same_for((entry.key, entry.revision, confirmed))
+        if repair and unchanged >= self.params.keep_alive_ttl / 3:
+            alive, _ = self.kv.list(self.keys.alive_dir(record.version, record.id))
+            if not missing_ranks(alive, world):
+                self._log(logging.INFO, "%d of %d confirmations counted, every member's key present: "
+                          "making the round final", confirmed, world, version=record.version)
+                return True
+        if unchanged >= self.params.keep_alive_ttl:
             if self._destroy(entry, f"round {record.version} stalled while frozen: {confirmed} of "
                                     f"{record.participants} members confirmed"):
                 raise Retry("stalled frozen round destroyed")
             # the record moved on first (the last member confirmed, or another node destroyed it): the
             # caller reads it again; giving the round up here would leave a round that just became final
+        return False
 
     def _wait_as_late_node(self, entry: Entry, record: RoundRecord, deadline: float) -> float:
         """Count ourselves as waiting; destroy the round if a member's keep-alive lapsed (after
@@ -409,83 +435,6 @@ class RoundMachine:
             self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
         return time.monotonic() - started if spare else 0.0
 
-    # -- I/O helpers ---------------------------------------------------------------------------
-    def _read_state(self) -> tuple[Entry | None, RoundRecord | None]:
-        """One read of ``ROOT/state/``: the round record, or ``RoundRecord(Status.CLOSED)`` for a closed run.
-
-        Raises:
-            RendezvousStateError: the record is corrupt (:meth:`RoundRecord.decode`).
-        """
-        entry, record, _ = self._read_state_at()
-        return entry, record
-
-    def _read_state_at(self) -> tuple[Entry | None, RoundRecord | None, int]:
-        """:meth:`_read_state` and the keyspace revision of the read (int): waits watch from the record's
-        own revision (so waiting nodes share one server watch) and go on from the read's where the
-        backend's history no longer reaches back that far (etcd v2 keeps 1,000 events: the wait spun)."""
-        entries, revision = self.kv.list(self.keys.state_dir)
-        found = {e.key: e for e in entries}
-        closed = found.get(self.keys.closed)
-        if closed is not None:
-            return closed, RoundRecord(Status.CLOSED), revision
-        entry = found.get(self.keys.round_record)
-        if entry is None:
-            return None, None, revision
-        return entry, RoundRecord.decode(entry), revision
-
-    def _transition(self, version: int, rid: str | None, source: Status,
-                    target: Callable[[RoundRecord], RoundRecord], deadline: float,
-                    ttl: float | None = None) -> Entry | None:
-        """Compare-and-swap the record of round ``(version, rid)`` from status ``source`` to
-        ``target(record)`` (with ``ttl`` seconds, or none), re-reading after every lost race.
-
-        Returns:
-            the new entry; ``None`` if the record left ``source`` (or is another round's) first.
-
-        Raises:
-            Deadline: ``deadline`` (``time.monotonic()``) passed first.
-        """
-        while time.monotonic() < deadline:
-            entry, record = self._read_state()
-            if entry is None or record is None or record.status is not source or not record.is_round(version, rid):
-                return None
-            try:
-                return self.kv.compare_and_swap(self.keys.round_record, target(record).encode(), entry.revision,
-                                                ttl=ttl)
-            except (CompareFailedError, KeyNotFoundError):
-                continue
-        raise Deadline()
-
-    def _destroy(self, entry: Entry, reason: str) -> bool:
-        """Compare-and-delete the round record at ``entry``'s revision.
-
-        Returns:
-            ``True`` if this call deleted it; ``False`` if the record had changed or gone first.
-        """
-        try:
-            self.kv.compare_and_delete(self.keys.round_record, entry.revision)
-        except (CompareFailedError, KeyNotFoundError):
-            return False
-        self._log(logging.INFO, "destroyed the round: %s", reason)
-        return True
-
-    def _counter(self, key: str) -> int:
-        """The counter at ``key`` (0 if absent); a corrupt one is a :class:`RendezvousStateError`."""
-        entry = self.kv.get(key)
-        if entry is None:
-            return 0
-        try:
-            return parse_counter(key, entry.value)
-        except CorruptEntryError as exc:
-            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
-
-    def _add(self, key: str) -> int:
-        """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
-        try:
-            return self.kv.add(key, 1)
-        except CorruptEntryError as exc:
-            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
-
     def _watch_round(self, result: RoundResult) -> None:
         """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
         self._unwatch_round()
@@ -533,16 +482,3 @@ class RoundMachine:
             p = self.params
             self.on_progress(Progress(phase, version, joined, p.min_nodes, p.limit,
                                       max(0.0, deadline - time.monotonic())))
-
-    def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None:
-        """Log ``msg`` prefixed with ``run=RUN_ID version=V rank=R`` (``-`` where unknown); the same
-        values go into the record's ``extra`` as ``rdzv_run_id``, ``rdzv_version``, ``rdzv_rank``."""
-        if not log.isEnabledFor(level):
-            return
-        current = self.current
-        if version is None and current is not None:
-            version = current.version
-        rank = current.rank if current is not None and current.version == version else None
-        extra = {"rdzv_run_id": self.run_id, "rdzv_version": version, "rdzv_rank": rank}
-        log.log(level, "run=%s version=%s rank=%s: " + msg,
-                self.run_id, "-" if version is None else version, "-" if rank is None else rank, *args, extra=extra)

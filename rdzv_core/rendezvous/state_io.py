@@ -1,0 +1,120 @@
+"""The round record's reads and writes for :class:`~rdzv_core.rendezvous.machine.RoundMachine`.
+
+:class:`RoundIO` holds the helpers every phase uses: read ``ROOT/state/``, compare-and-swap the record
+from one status to the next, compare-and-delete it, the counters, and the run-tagged log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from ..errors import CompareFailedError, CorruptEntryError, KeyNotFoundError, RendezvousStateError
+from ..kv import Entry, KVBackend, parse_counter
+from .params import RoundResult
+from .record import RoundRecord, RunKeys, Status
+from .steps import Deadline
+
+__all__ = ["RoundIO", "log"]
+
+#: The rendezvous' logger (one name for the whole package).
+log = logging.getLogger("rdzv_core.rendezvous")
+
+
+class RoundIO:
+    """Reads and writes of one run's round record and counters over ``kv`` (see the module)."""
+
+    kv: KVBackend
+    keys: RunKeys
+    run_id: str
+    current: RoundResult | None
+
+    def _read_state(self) -> tuple[Entry | None, RoundRecord | None]:
+        """One read of ``ROOT/state/``: the round record, or ``RoundRecord(Status.CLOSED)`` for a closed run.
+
+        Raises:
+            RendezvousStateError: the record is corrupt (:meth:`RoundRecord.decode`).
+        """
+        entry, record, _ = self._read_state_at()
+        return entry, record
+
+    def _read_state_at(self) -> tuple[Entry | None, RoundRecord | None, int]:
+        """:meth:`_read_state` and the keyspace revision of the read (int): waits watch from the record's
+        own revision (so waiting nodes share one server watch) and go on from the read's where the
+        backend's history no longer reaches back that far (etcd v2 keeps 1,000 events: the wait spun)."""
+        entries, revision = self.kv.list(self.keys.state_dir)
+        found = {e.key: e for e in entries}
+        closed = found.get(self.keys.closed)
+        if closed is not None:
+            return closed, RoundRecord(Status.CLOSED), revision
+        entry = found.get(self.keys.round_record)
+        if entry is None:
+            return None, None, revision
+        return entry, RoundRecord.decode(entry), revision
+
+    def _transition(self, version: int, rid: str | None, source: Status,
+                    target: Callable[[RoundRecord], RoundRecord], deadline: float,
+                    ttl: float | None = None) -> Entry | None:
+        """Compare-and-swap the record of round ``(version, rid)`` from status ``source`` to
+        ``target(record)`` (with ``ttl`` seconds, or none), re-reading after every lost race.
+
+        Returns:
+            the new entry; ``None`` if the record left ``source`` (or is another round's) first.
+
+        Raises:
+            Deadline: ``deadline`` (``time.monotonic()``) passed first.
+        """
+        while time.monotonic() < deadline:
+            entry, record = self._read_state()
+            if entry is None or record is None or record.status is not source or not record.is_round(version, rid):
+                return None
+            try:
+                return self.kv.compare_and_swap(self.keys.round_record, target(record).encode(), entry.revision,
+                                                ttl=ttl)
+            except (CompareFailedError, KeyNotFoundError):
+                continue
+        raise Deadline()
+
+    def _destroy(self, entry: Entry, reason: str) -> bool:
+        """Compare-and-delete the round record at ``entry``'s revision.
+
+        Returns:
+            ``True`` if this call deleted it; ``False`` if the record had changed or gone first.
+        """
+        try:
+            self.kv.compare_and_delete(self.keys.round_record, entry.revision)
+        except (CompareFailedError, KeyNotFoundError):
+            return False
+        self._log(logging.INFO, "destroyed the round: %s", reason)
+        return True
+
+    def _counter(self, key: str) -> int:
+        """The counter at ``key`` (0 if absent); a corrupt one is a :class:`RendezvousStateError`."""
+        entry = self.kv.get(key)
+        if entry is None:
+            return 0
+        try:
+            return parse_counter(key, entry.value)
+        except CorruptEntryError as exc:
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+
+    def _add(self, key: str) -> int:
+        """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
+        try:
+            return self.kv.add(key, 1)
+        except CorruptEntryError as exc:
+            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+
+    def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None:
+        """Log ``msg`` prefixed with ``run=RUN_ID version=V rank=R`` (``-`` where unknown); the same
+        values go into the record's ``extra`` as ``rdzv_run_id``, ``rdzv_version``, ``rdzv_rank``."""
+        if not log.isEnabledFor(level):
+            return
+        current = self.current
+        if version is None and current is not None:
+            version = current.version
+        rank = current.rank if current is not None and current.version == version else None
+        extra = {"rdzv_run_id": self.run_id, "rdzv_version": version, "rdzv_rank": rank}
+        log.log(level, "run=%s version=%s rank=%s: " + msg,
+                self.run_id, "-" if version is None else version, "-" if rank is None else rank, *args, extra=extra)
