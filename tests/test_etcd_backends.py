@@ -22,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -405,6 +405,39 @@ def test_v3_one_lease_per_key(etcd: EtcdServer, opener: Callable[[str], KVBacken
             assert event.key != "lease/kept", f"refresh changed the refreshed key: {event}"
     assert dropped_at is not None, "the unrefreshed key never expired"
     assert kv.get("lease/kept") is not None
+
+
+@pytest.mark.parametrize("write", ["put", "create", "compare_and_swap"])
+def test_v3_a_lease_that_ran_out_before_the_write_arrived_is_replaced(
+        etcd: EtcdServer, opener: Callable[[str], KVBackend], write: str) -> None:
+    """A client slower than the TTL between its lease grant and its write (1,024 clients on 2 cores) found
+    its lease gone: etcd answered "requested lease not found" and the rendezvous gave up with a
+    RendezvousStateError. Staged: the first lease granted is revoked before the write is sent. Expected:
+    the write lands on a new, live lease."""
+    kv = opener(f"etcd-v3://{etcd.address}/")
+    key = f"gone-lease/{write}"
+    revision = kv.put(key, b"0").revision if write == "compare_and_swap" else 0
+    inner = kv._grant  # type: ignore[attr-defined]
+    granted: list[int] = []
+
+    def grant_then_expire(ttl: float | None, deadline: Any) -> int:
+        lease = inner(ttl, deadline)
+        if not granted:
+            _etcdctl(etcd, "lease", "revoke", f"{lease:x}")
+        granted.append(lease)
+        return lease
+
+    kv._grant = grant_then_expire  # type: ignore[attr-defined]
+    if write == "put":
+        kv.put(key, b"v", ttl=30)
+    elif write == "create":
+        kv.create(key, b"v", ttl=30)
+    else:
+        kv.compare_and_swap(key, b"v", revision, ttl=30)
+    assert len(granted) == 2, granted
+    entry = kv.get(key)
+    assert entry is not None and entry.value == b"v"
+    assert _lease_of(etcd, key) == granted[1] and granted[1] in _leases(etcd)
 
 
 def test_v3_put_replaces_and_revokes_the_old_lease(etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
