@@ -330,9 +330,12 @@ def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threadi
 def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
         scheme: str, proxy: TCPProxy, clients, caplog: pytest.LogCaptureFixture) -> None:
     """Two nodes; B's confirmation is held back, A confirms and waits for the final record; A's connection
-    drops and comes back. A must resume as the member it is, without confirming again (a second count would
-    make the round final with B unconfirmed); once B confirms, both hold ranks of one round of 2."""
+    drops and comes back. A must resume as the member it is, without confirming again: the count stays 1
+    while B's is held. (A, in doubt about its own count, finds B's keep-alive key -- written before B's count
+    -- and makes the round final; B, released, counts and finds the round final.) Both hold ranks of one
+    round of 2."""
     from rdzv_core import Rendezvous
+    from rdzv_core.kv import parse_counter
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=3.0, last_call_timeout=0.5, timeout=60)
     run_id = f"netfaults{uuid.uuid4().hex[:10]}"
@@ -342,14 +345,25 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
     a.start(), b.start()
     assert waiting.wait(30), "B never reached its confirmation"
     observer = Rendezvous(clients(direct=True), run_id, params)
-    wait_until(lambda: observer.describe().get("alive"), 30, "A to confirm (its keep-alive key appears)")
+
+    def confirmations() -> int:
+        state = observer.describe()
+        if state.get("status") not in ("frozen", "final"):
+            return 0
+        key = observer.keys.confirmed(state["version"], state.get("id"))
+        entry = observer.kv.get(key)
+        return 0 if entry is None else parse_counter(key, entry.value)
+
+    # B's count is held, so a count of 1 is A's (B's keep-alive key, written before its count, is there too)
+    wait_until(lambda: confirmations() == 1, 30, "A to confirm")
     proxy.set_mode(Mode.DROP)
     wait_until(lambda: any(r.name == "rdzv_core.rendezvous" for r in caplog.records), 30,
                "A to see the backend fail")
     proxy.set_mode(Mode.PASS)
-    assert not a.done.wait(2.0), f"A finished while B's confirmation was held: {a.result or a.error}"
+    first = a.wait(30)
+    assert confirmations() == 1, "A counted again"
     release.set()
-    results = [a.wait(30), b.wait(30)]
+    results = [first, b.wait(30)]
     assert sorted(r.rank for r in results) == [0, 1]
     assert len({(r.version, r.round_id, r.world_size) for r in results}) == 1 and results[0].world_size == 2
 
