@@ -210,6 +210,8 @@ def elastic_url(args: argparse.Namespace, mode: str, url_arg: str | None) -> Ren
     else:
         for name, value in zip(("--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"),
                                (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id), strict=True):
+            if value == "":
+                raise ConfigError(name, value, "empty")
             if not value:
                 raise ConfigError(name, value, "--rdzv-backend, --rdzv-endpoint and --rdzv-id go together")
         url = _backend_url(args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id)[1]

@@ -122,6 +122,17 @@ def test_bad_input_ipv6_zone_ids_in_rdzv_endpoint(endpoint: str, record_property
     assert "credential" not in str(exc)
 
 
+def test_bad_input_an_empty_rdzv_id_is_named_empty(record_property: Any) -> None:
+    """``--rdzv-id ""`` with the other two torchrun-style options: the error names the option and says it is
+    empty (it said the three options go together, which they were; found by a new user)."""
+    from rdzv_agent import cli
+
+    argv = ["--rdzv-backend", "redis", "--rdzv-endpoint", "127.0.0.1:6379", "--rdzv-id", "", "train.py"]
+    exc, seconds = timed_error(lambda: cli.build_config(cli.parse_args(argv), {}))
+    record(record_property, "--rdzv-id ''", seconds)
+    assert isinstance(exc, ConfigError) and (exc.field, exc.value, exc.reason) == ("--rdzv-id", "", "empty")
+
+
 # -- unknown keys and secrets -------------------------------------------------------------------
 @pytest.mark.parametrize("call, field, shown", [
     (lambda: create_handler("memory://k/job?monkey=blue"), "monkey", "blue"),  # was '***' ("key$")
