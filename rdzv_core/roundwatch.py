@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from .errors import (
     BackendClosedError,
     BackendUnavailableError,
-    CompareFailedError,
     HistoryCompactedError,
-    KeyNotFoundError,
     RdzvError,
 )
 from .kv import EventType, KVBackend
 from .outage import OutageLog
 from .rendezvous.record import RunKeys, missing_ranks
+from .rendezvous.state_io import delete_round_record
 
 __all__ = ["WatchedRound", "destroy", "subscribe", "unsubscribe", "watched_rounds", "THREAD_PREFIX"]
 
@@ -151,11 +150,7 @@ def destroy(kv: KVBackend, watched: WatchedRound, reason: str) -> bool:
     Raises:
         BackendUnavailableError, BackendClosedError: from ``kv``.
     """
-    if kv.get(watched.keys.closed) is not None:
-        return False
-    try:
-        kv.compare_and_delete(watched.keys.round_record, watched.final_revision)
-    except (CompareFailedError, KeyNotFoundError):
+    if kv.get(watched.keys.closed) is not None or not delete_round_record(kv, watched.keys, watched.final_revision):
         return False
     log.info("run=%s version=%d: destroyed the round: %s", watched.run_id, watched.version, reason)
     return True

@@ -353,7 +353,7 @@ class RoundMachine(RoundIO):
             self._publish_ranks(version, rid, world, policy)
         final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
         try:
-            self._transition(version, rid, Status.FROZEN, lambda _: final, deadline)
+            self._transition(version, rid, Status.FROZEN, lambda _: final, deadline, current=(entry, record))
         except Deadline:
             pass
 

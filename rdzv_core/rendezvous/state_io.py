@@ -16,10 +16,24 @@ from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import Deadline
 
-__all__ = ["RoundIO", "log"]
+__all__ = ["RoundIO", "delete_round_record", "log"]
 
 #: The rendezvous' logger (one name for the whole package).
 log = logging.getLogger("rdzv_core.rendezvous")
+
+
+def delete_round_record(kv: KVBackend, keys: RunKeys, revision: int) -> bool:
+    """Compare-and-delete the run's round record at ``revision``: whether this call deleted it (``False``:
+    the record changed or went first).
+
+    Raises:
+        BackendUnavailableError, BackendClosedError: from ``kv``.
+    """
+    try:
+        kv.compare_and_delete(keys.round_record, revision)
+    except (CompareFailedError, KeyNotFoundError):
+        return False
+    return True
 
 
 class RoundIO:
@@ -55,9 +69,11 @@ class RoundIO:
 
     def _transition(self, version: int, rid: str | None, source: Status,
                     target: Callable[[RoundRecord], RoundRecord], deadline: float,
-                    ttl: float | None = None) -> Entry | None:
+                    ttl: float | None = None,
+                    current: tuple[Entry | None, RoundRecord | None] | None = None) -> Entry | None:
         """Compare-and-swap the record of round ``(version, rid)`` from status ``source`` to
-        ``target(record)`` (with ``ttl`` seconds, or none), re-reading after every lost race.
+        ``target(record)`` (with ``ttl`` seconds, or none), re-reading after every lost race; ``current``:
+        the caller's own :meth:`_read_state`, used for the first attempt instead of reading again.
 
         Returns:
             the new entry; ``None`` if the record left ``source`` (or is another round's) first.
@@ -66,7 +82,8 @@ class RoundIO:
             Deadline: ``deadline`` (``time.monotonic()``) passed first.
         """
         while time.monotonic() < deadline:
-            entry, record = self._read_state()
+            entry, record = current if current is not None else self._read_state()
+            current = None
             if entry is None or record is None or record.status is not source or not record.is_round(version, rid):
                 return None
             try:
@@ -82,9 +99,7 @@ class RoundIO:
         Returns:
             ``True`` if this call deleted it; ``False`` if the record had changed or gone first.
         """
-        try:
-            self.kv.compare_and_delete(self.keys.round_record, entry.revision)
-        except (CompareFailedError, KeyNotFoundError):
+        if not delete_round_record(self.kv, self.keys, entry.revision):
             return False
         self._log(logging.INFO, "destroyed the round: %s", reason)
         return True
