@@ -26,9 +26,9 @@ from rdzv_core.kv import Entry, Event, KVBackend
 __all__ = ["CountingKV", "READ_OPS", "WRITE_OPS", "KEEPALIVE_THREAD_PREFIX"]
 
 #: Operations that only read (``watch`` is a read that may block).
-READ_OPS = ("get", "list", "watch")
+READ_OPS = ("get", "list", "watch", "tickets")
 #: Operations that write (every one of them advances etcd's/Redis's revision or a TTL).
-WRITE_OPS = ("create", "put", "compare_and_swap", "compare_and_delete", "delete", "refresh", "add")
+WRITE_OPS = ("create", "put", "compare_and_swap", "compare_and_delete", "delete", "refresh", "add", "take_ticket")
 #: Thread-name prefix of the keep-alive scheduler's refresh threads (:mod:`rdzv_core.keepalive`).
 KEEPALIVE_THREAD_PREFIX = "rdzv-keepalive"
 
@@ -126,6 +126,12 @@ class CountingKV(KVBackend):
 
     def _do_add(self, key: str, delta: int) -> int:
         return self._call("add", key, delta)
+
+    def _do_take_ticket(self, key: str) -> int:
+        return self._call("take_ticket", key)
+
+    def _do_tickets(self, key: str) -> int:
+        return self._call("tickets", key)
 
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         return self._call("watch", prefix, after_revision, timeout)

@@ -352,7 +352,7 @@ def test_round_recreated_after_state_loss_is_not_taken_for_the_old_one(record_pr
             assert time.monotonic() < deadline, "round 1 was never set up"
             kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
         joined = keys.joined(1, json.loads(record.value)["id"])
-        while (entry := kv.get(joined)) is None or entry.value != b"2":
+        while kv.tickets(joined) != 2:
             assert time.monotonic() < deadline, "two agents never joined round 1"
             kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
         for lost in (keys.version_counter, joined):  # lost with the rest of the keys...
@@ -481,8 +481,10 @@ def test_participants_above_max_is_a_state_error(status: str, record_property) -
 
 
 @pytest.mark.parametrize("counter", ["counter/version", "v_1/joined"])
-def test_corrupt_counter_is_a_state_error(counter: str, kv: KVBackend, rdzv_url) -> None:
+def test_corrupt_counter_is_a_state_error(counter: str, kv: KVBackend, rdzv_url, capabilities: Any) -> None:
     """A counter that is not decimal gives ``RendezvousStateError`` naming it; ``rdzv reset`` recovers."""
+    if counter == "v_1/joined" and not capabilities.tickets_in_value:
+        pytest.skip("the backend's tickets are no stored value (tickets_in_value=False): no data there is corrupt")
     url = rdzv_url()
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     keys = RunKeys("torchelastic/p2p", run_id)

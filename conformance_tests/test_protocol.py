@@ -309,6 +309,43 @@ def test_add_on_non_integer_fails(kv: KVBackend, key_prefix: str, bad: bytes) ->
     assert kv.get(key) == entry, "a failed add must not change the key"
 
 
+# -- tickets ----------------------------------------------------------------------------
+def test_tickets_count_from_one_and_restart_after_delete(kv: KVBackend, key_prefix: str, capabilities: Any) -> None:
+    key = key_prefix + "t"
+    assert kv.tickets(key) == 0, "no ticket was taken at an absent key"
+    assert [kv.take_ticket(key) for _ in range(3)] == [1, 2, 3], "tickets must count 1, 2, 3, ..."
+    assert kv.tickets(key) == 3, "tickets() must count the tickets taken"
+    if capabilities.tickets_in_value:
+        assert kv.get(key).value == b"3", "tickets_in_value: the key holds the count as an add counter"
+    assert [e.key for e in kv.list(key_prefix)[0]] == [key], "a ticket key is one key in a listing"
+    assert kv.delete(key) is True, "delete must remove a ticket key"
+    assert kv.tickets(key) == 0 and kv.take_ticket(key) == 1, "after delete, tickets must start again at 1"
+
+
+def test_taking_a_ticket_is_a_change_a_watch_sees(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
+    kv, watcher = kv_factory(), kv_factory()
+    key = key_prefix + "w/t"
+    after = head(kv, key_prefix)
+    kv.take_ticket(key)
+    events = watcher.watch(key_prefix, after, 10)
+    assert [(e.type, e.key) for e in events][:1] == [(EventType.PUT, key)], f"a ticket must be a PUT event: {events}"
+    second = watcher.list(key_prefix)[1]
+    kv.take_ticket(key)
+    assert watcher.watch(key_prefix, second, 10), "every ticket taken must be a change a watch sees"
+
+
+def test_concurrent_tickets_are_each_taken_once(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
+    per_thread = 25
+    clients = [kv_factory() for _ in range(THREADS)]
+    key = key_prefix + "tickets"
+    results = run_threads(THREADS, lambda i: [clients[i].take_ticket(key) for _ in range(per_thread)])
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"concurrent take_ticket raised: {errors}"
+    taken = sorted(t for r in results for t in r)
+    assert taken == list(range(1, THREADS * per_thread + 1)), "each ticket must be handed out exactly once"
+    assert clients[0].tickets(key) == THREADS * per_thread, "tickets() must count every ticket taken"
+
+
 # -- TTL and refresh ------------------------------------------------------------------
 def test_ttl_expiry_is_a_delete_event(kv_factory: Callable[[], KVBackend], key_prefix: str, capabilities: Any) -> None:
     kv, watcher = kv_factory(), kv_factory()

@@ -273,7 +273,7 @@ def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_i
 
 
 class _Hooked:
-    """A real client with hooks: ``before_add(key)`` and ``before_compare_and_delete(key)`` run first."""
+    """A real client with hooks: ``before_take_ticket(key)`` and ``before_compare_and_delete(key)`` run first."""
 
     def __init__(self, kv: KVBackend, **hooks: Callable[[str], None]) -> None:
         self._kv, self._hooks = kv, hooks
@@ -281,9 +281,9 @@ class _Hooked:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._kv, name)
 
-    def add(self, key: str, delta: int) -> int:
-        self._hooks.get("before_add", lambda _: None)(key)
-        return self._kv.add(key, delta)
+    def take_ticket(self, key: str) -> int:
+        self._hooks.get("before_take_ticket", lambda _: None)(key)
+        return self._kv.take_ticket(key)
 
     def compare_and_delete(self, key: str, revision: int) -> None:
         self._hooks.get("before_compare_and_delete", lambda _: None)(key)
@@ -312,7 +312,7 @@ def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
     a = Agent(_Hooked(kv_factory(), before_compare_and_delete=let_b_finish_first), run_id, params)  # type: ignore[arg-type]
-    b = Agent(_Hooked(kv_factory(), before_add=hold_confirmation), run_id, params)  # type: ignore[arg-type]
+    b = Agent(_Hooked(kv_factory(), before_take_ticket=hold_confirmation), run_id, params)  # type: ignore[arg-type]
     b_holder.append(b)
     try:
         a.start(), b.start()
@@ -326,7 +326,7 @@ def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_
 
 
 def test_a_confirmation_lost_to_a_backend_error_is_repaired_not_the_round_destroyed(kv_factory, run_id) -> None:
-    """B's first confirmation ``add`` fails before it reaches the backend (a transient error: the node cannot
+    """B's first confirmation (``take_ticket``) fails before it reaches the backend (a transient error: the node cannot
     tell it from one that took effect, so it never counts again). Expected: the round of 2 becomes final in
     its first version, found complete from the members' keep-alive keys. Before, the count stayed at 1,
     the frozen round stalled and was destroyed after keep_alive_ttl, and a second round was formed (what
@@ -342,7 +342,7 @@ def test_a_confirmation_lost_to_a_backend_error_is_repaired_not_the_round_destro
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
     a = Agent(kv_factory(), run_id, params)
-    b = Agent(_Hooked(kv_factory(), before_add=lose_first_confirmation), run_id, params)  # type: ignore[arg-type]
+    b = Agent(_Hooked(kv_factory(), before_take_ticket=lose_first_confirmation), run_id, params)  # type: ignore[arg-type]
     try:
         a.start(), b.start()
         results = _wait_all([a, b], timeout=30)

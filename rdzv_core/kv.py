@@ -18,7 +18,7 @@ Values
     ``bytes``; at most ``capabilities.max_value_bytes`` (else :class:`ValueTooLarge`,
     raised before anything is written).
 Revisions
-    Every write (create, put, compare-and-swap, add, delete, expiry) advances a
+    Every write (create, put, compare-and-swap, add, take_ticket, delete, expiry) advances a
     keyspace-wide revision counter; :attr:`Entry.revision` is the revision of the
     entry's last modification (etcd's ``modifiedIndex`` / ``mod_revision``).
     Revisions are positive ints, strictly increasing in the order writes took
@@ -42,6 +42,12 @@ Watch
 Counters
     ``add`` stores ASCII decimal (``-?[0-9]+``); any other present value is a
     :class:`~rdzv_core.errors.CorruptEntry`.
+Tickets
+    ``take_ticket(key)`` hands concurrent callers 1, 2, 3, ..., each number once;
+    ``tickets(key)`` says how many were taken. A ticket key is written and read only
+    through these two (and deleted by ``delete``); its stored form is the backend's:
+    an ``add`` counter by default (``capabilities.tickets_in_value``), the key's
+    version on etcd v3, where a counter under contention costs a compare-and-swap race.
 Deadlines
     Every call returns or raises within the backend's ``operation_timeout``. A
     caller with a tighter bound (the c10d Store: its timeout) wraps its calls in
@@ -67,7 +73,8 @@ from dataclasses import dataclass
 from types import TracebackType
 from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
 from .deadlines import check_timeout as _check_timeout
-from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, InvalidKeyError, ValueTooLarge
+from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, ValueTooLarge
+from .keys import check_key, check_prefix, escape_segment, join_key, unescape_segment  # re-exported
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
 
@@ -90,10 +97,7 @@ __all__ = [
     "watch_prefixes",
 ]
 
-MAX_KEY_CHARS = 1024
-_SEGMENT = re.compile(r"[A-Za-z0-9_\-.=%+:@~]{1,255}")
 _COUNTER = re.compile(rb"-?[0-9]{1,30}")
-_SAFE_BYTES = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,8 @@ class Capabilities:
         auth: the backend accepts a user and password from the URL.
         max_value_bytes: the largest value accepted (bytes), ``None`` if unlimited.
         ttl_resolution: how late (seconds) an expiry may be observed by watch.
+        tickets_in_value: ``take_ticket`` stores an ``add`` counter (decimal value), so
+            ``get`` reads the count and foreign data there is a ``CorruptEntry``.
     """
 
     multi_host: bool
@@ -161,84 +167,11 @@ class Capabilities:
     auth: bool = False
     max_value_bytes: int | None = None
     ttl_resolution: float = 0.5
+    tickets_in_value: bool = True
 
     def as_dict(self) -> dict[str, object]:
         """The capabilities as a plain ``dict`` (for JSON and tables)."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
-
-
-def escape_segment(data: str | bytes) -> str:
-    """Encode arbitrary data as one key segment (reversible, never contains ``/``).
-
-    Args:
-        data: ``str`` (encoded as UTF-8) or ``bytes``, any length including 0.
-
-    Returns:
-        ``"="`` followed by the bytes, where every byte outside ``A-Za-z0-9_-``
-        is written ``%XX``. E.g. ``escape_segment("a/b")`` is ``"=a%2Fb"``.
-
-    Raises:
-        InvalidKeyError: if the escaped form exceeds 255 characters.
-    """
-    raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)
-    out = "=" + "".join(chr(b) if b in _SAFE_BYTES else f"%{b:02X}" for b in raw)
-    if len(out) > 255:
-        raise InvalidKeyError("key", data[:40], f"too long once escaped ({len(out)} > 255 characters)")
-    return out
-
-
-def unescape_segment(segment: str) -> bytes:
-    """Invert :func:`escape_segment`; returns the original bytes.
-
-    Raises:
-        InvalidKeyError: if ``segment`` was not produced by :func:`escape_segment`.
-    """
-    if not segment.startswith("="):
-        raise InvalidKeyError("segment", segment, "not an escaped segment (must start with '=')")
-    out = bytearray()
-    i = 1
-    while i < len(segment):
-        ch = segment[i]
-        if ch == "%":
-            try:
-                out.append(int(segment[i + 1 : i + 3], 16))
-            except ValueError:
-                raise InvalidKeyError("segment", segment, f"bad escape at offset {i}") from None
-            i += 3
-        else:
-            out.append(ord(ch))
-            i += 1
-    return bytes(out)
-
-
-def check_key(key: str, field_name: str = "key") -> str:
-    """Return ``key`` if it follows the key grammar, else raise :class:`InvalidKeyError`."""
-    if not isinstance(key, str):
-        raise InvalidKeyError(field_name, key, "keys are str")
-    if not key or len(key) > MAX_KEY_CHARS:
-        raise InvalidKeyError(field_name, key, f"length must be 1..{MAX_KEY_CHARS} characters")
-    for seg in key.split("/"):
-        if seg in (".", "..") or not _SEGMENT.fullmatch(seg):
-            raise InvalidKeyError(
-                field_name, key, f"segment {seg!r} is empty, '.'/'..', too long or has characters "
-                "outside A-Za-z0-9_-.=%+:@~ (use escape_segment)"
-            )
-    return key
-
-
-def check_prefix(prefix: str) -> str:
-    """Return ``prefix`` if it is ``""`` or a valid key followed by ``/``."""
-    if prefix == "":
-        return prefix
-    if not isinstance(prefix, str) or not prefix.endswith("/"):
-        raise InvalidKeyError("prefix", prefix, "a prefix is '' or a key followed by '/'")
-    check_key(prefix[:-1], "prefix")
-    return prefix
-
-
-def join_key(*parts: str) -> str:
-    """Join key parts (each a key or segment, possibly with surrounding ``/``)."""
-    return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
 def _check_ttl(ttl: float | None) -> float | None:
@@ -345,6 +278,23 @@ class KVBackend(abc.ABC):
             raise InvalidArgumentError("delta", delta, "add() takes an int")
         return self._do_add(check_key(key), delta)
 
+    def take_ticket(self, key: str) -> int:
+        """Take the next ticket at ``key``: concurrent callers get 1, 2, 3, ..., each number once.
+
+        ``tickets(key)`` counts them; after ``delete(key)`` they start again at 1.
+
+        Raises:
+            CorruptEntry: ``key`` holds data that is no ticket counter (nothing written).
+            BackendUnavailable: as every write; the ticket may have been taken if no answer came.
+        """
+        self._check_open()
+        return self._do_take_ticket(check_key(key))
+
+    def tickets(self, key: str) -> int:
+        """How many tickets were taken at ``key`` (0 if none); :class:`CorruptEntry` as ``take_ticket``."""
+        self._check_open()
+        return self._do_tickets(check_key(key))
+
     def watch(self, prefix: str, after_revision: int, timeout: float) -> _List[Event]:
         """Wait for changes under ``prefix`` after ``after_revision`` (see module doc).
 
@@ -441,6 +391,14 @@ class KVBackend(abc.ABC):
 
     @abc.abstractmethod
     def _do_close(self) -> None: ...
+
+    def _do_take_ticket(self, key: str) -> int:
+        """Default: ``add(key, 1)``; a backend without an atomic add overrides it (and ``_do_tickets``)."""
+        return self._do_add(key, 1)
+
+    def _do_tickets(self, key: str) -> int:
+        entry = self._do_get(key)
+        return 0 if entry is None else parse_counter(key, entry.value)
 
     def _do_ttl_remaining(self, key: str) -> float | None:
         """Optional (see :meth:`ttl_remaining`); backends that can tell override it."""

@@ -65,6 +65,12 @@ class MeteredKV(KVBackend):
     def _do_add(self, key: str, delta: int) -> int:
         return self._timed("add", self.inner.add, key, delta)
 
+    def _do_take_ticket(self, key: str) -> int:
+        return self._timed("take_ticket", self.inner.take_ticket, key)
+
+    def _do_tickets(self, key: str) -> int:
+        return self._timed("tickets", self.inner.tickets, key)
+
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         return self._timed("watch", self.inner.watch, prefix, after_revision, timeout)
 

@@ -52,7 +52,7 @@ def test_requests_were_counted_for_every_rdzv_backend(smoke: dict) -> None:
         if cell["target"] not in RDZV_TARGETS:
             continue
         counts = cell["reps"][0]["counts_per_agent"]
-        assert counts["round"]["ops"]["add"] >= 2  # a join ticket and a confirmation per agent
+        assert counts["round"]["ops"]["take_ticket"] >= 2  # a join ticket and a confirmation per agent
         assert counts["round"]["writes"] > 0 and counts["round"]["reads"] > 0
     servers = {c["target"]: c["reps"][0]["server_requests_per_agent"] for c in smoke["latency"]}
     for target in ("redis", "etcd-v2", "etcd-v3"):

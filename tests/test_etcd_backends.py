@@ -1361,3 +1361,74 @@ def test_old_import_paths_keep_working() -> None:
     assert list_backends()["etcd-v2"].spec.capabilities == EtcdV2Backend.capabilities
     assert list_backends()["etcd-v3"].spec.capabilities == EtcdV3Backend.capabilities
 
+
+
+# -- tickets: one write each, never taken twice ----------------------------------------------------
+class _AnswerLost(Exception):
+    """Stands in for a transport failure after the request reached etcd (its answer lost)."""
+
+
+def test_v2_a_ticket_whose_answer_was_lost_is_found_by_its_token_not_taken_twice(
+        etcd: EtcdServer, opener: Callable[[str], KVBackend]) -> None:
+    """The in-order key reaches etcd and the answer is lost (a read timeout): the backend must not POST
+    again (a second ticket nobody confirms would stall a round) but find its own key by its token."""
+    import urllib3.exceptions as u3
+
+    kv = opener(f"etcd-v2://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    key = f"lost-ticket-{time.monotonic_ns()}/t"
+    assert kv.take_ticket(key) == 1
+    net = kv._net  # type: ignore[attr-defined]
+    inner, posts = net._request, []
+
+    def lose_the_first_answer(ep: Any, method: str, path: str, params: dict[str, str], timeout: Any) -> Any:
+        answer = inner(ep, method, path, params, timeout)
+        if method == "POST":
+            posts.append(path)
+            if len(posts) == 1:
+                raise u3.ReadTimeoutError(None, path, "injected: the answer was lost")  # type: ignore[arg-type]
+        return answer
+
+    net._request = lose_the_first_answer
+    assert kv.take_ticket(key) == 2, "the ticket whose answer was lost is the one taken"
+    assert len(posts) == 1, f"the in-order key was sent again: {posts}"
+    assert kv.tickets(key) == 2 and kv.take_ticket(key) == 3, "a ticket was taken twice"
+
+
+def test_v3_a_ticket_whose_answer_was_lost_is_not_taken_twice(etcd: EtcdServer,
+                                                              opener: Callable[[str], KVBackend]) -> None:
+    """The Put reaches etcd and the answer is lost (deadline exceeded): the backend must not send it
+    again (two tickets) but say the outcome is unknown (BackendTimeout); the count stays one per Put."""
+    import grpc
+
+    from rdzv_core.errors import BackendTimeout
+
+    kv = opener(f"etcd-v3://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
+    key = f"lost-ticket-{time.monotonic_ns()}/t"
+    assert kv.take_ticket(key) == 1
+    puts: list[bytes] = []
+
+    class Lost(grpc.RpcError):
+        def code(self) -> Any:
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self) -> str:
+            return "injected: the answer was lost"
+
+    class LoseAnswers:
+        def __init__(self, stub: Any) -> None:
+            self._stub = stub
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._stub, name)
+
+        def Put(self, request: Any, **kwargs: Any) -> Any:  # noqa: N802 (gRPC's name)
+            self._stub.Put(request, **kwargs)
+            puts.append(request.key)
+            raise Lost()
+
+    for ep in kv._net.eps:  # type: ignore[attr-defined]
+        ep.kv = LoseAnswers(ep.kv)
+    with pytest.raises(BackendTimeout):
+        kv.take_ticket(key)
+    assert len(puts) == 1, f"the Put was sent again: {len(puts)} times"
+    assert kv.tickets(key) == 2, "one Put, one ticket"

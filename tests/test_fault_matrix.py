@@ -61,7 +61,6 @@ from rdzv_core import (
     open_backend,
     parse_backend_url,
 )
-from rdzv_core.kv import parse_counter
 from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
 pytestmark = pytest.mark.slow
@@ -238,7 +237,7 @@ def test_confirming_member_survives_the_round_being_replaced(replacement: str) -
         thread = threading.Thread(target=lambda: _capture(member.next_round, outcome), daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
-        while (e := kv.get(keys.confirmed(1, None))) is None or parse_counter(e.key, e.value) < 1:
+        while kv.tickets(keys.confirmed(1, None)) < 1:
             assert time.monotonic() < deadline, "the member never confirmed"
             kv.watch(keys.tree, kv.list(keys.tree)[1], 0.2)
         if replacement == "setup":  # then let the member see it (or die on it) before closing the run

@@ -315,7 +315,7 @@ def test_a_node_interrupted_while_waiting_keeps_its_ticket(
 
 
 def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threading.Event]:
-    """``(client, waiting, release)``: a real client whose first ``add`` to a ``.../confirmed`` counter sets
+    """``(client, waiting, release)``: a real client whose first ``take_ticket`` at a ``.../confirmed`` key sets
     ``waiting`` and waits for ``release``."""
     waiting, release = threading.Event(), threading.Event()
 
@@ -324,7 +324,7 @@ def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threadi
             waiting.set()
             release.wait(60)
 
-    return _Hooked(kv, before_add=hold), waiting, release
+    return _Hooked(kv, before_take_ticket=hold), waiting, release
 
 
 def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
@@ -335,7 +335,6 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
     -- and makes the round final; B, released, counts and finds the round final.) Both hold ranks of one
     round of 2."""
     from rdzv_core import Rendezvous
-    from rdzv_core.kv import parse_counter
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=3.0, last_call_timeout=0.5, timeout=60)
     run_id = f"netfaults{uuid.uuid4().hex[:10]}"
@@ -350,9 +349,7 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
         state = observer.describe()
         if state.get("status") not in ("frozen", "final"):
             return 0
-        key = observer.keys.confirmed(state["version"], state.get("id"))
-        entry = observer.kv.get(key)
-        return 0 if entry is None else parse_counter(key, entry.value)
+        return observer.kv.tickets(observer.keys.confirmed(state["version"], state.get("id")))
 
     # B's count is held, so a count of 1 is A's (B's keep-alive key, written before its count, is there too)
     wait_until(lambda: confirmations() == 1, 30, "A to confirm")

@@ -51,7 +51,7 @@ def _path(field_name: str, raw: str) -> str:
 QUERY_KEYS: dict[str, Converter] = {"protocol": _protocol, "cacert": _path, "cert": _path, "key": _path}
 
 
-def _capabilities(ttl_resolution: float) -> Capabilities:
+def _capabilities(ttl_resolution: float, tickets_in_value: bool = True) -> Capabilities:
     return Capabilities(
         multi_host=True,
         server_side_ttl=True,
@@ -61,6 +61,7 @@ def _capabilities(ttl_resolution: float) -> Capabilities:
         auth=True,
         max_value_bytes=MAX_VALUE_BYTES,
         ttl_resolution=ttl_resolution,
+        tickets_in_value=tickets_in_value,
     )
 
 
@@ -69,7 +70,7 @@ def _capabilities(ttl_resolution: float) -> Capabilities:
 V2_CAPABILITIES = _capabilities(ttl_resolution=1.5)
 #: What ``etcd-v3://`` declares. etcd's shortest lease is 1.5 election timeouts (2 s by default) and leases
 #: are checked every 500 ms: an expiry is seen up to 2.5 s after the requested TTL.
-V3_CAPABILITIES = _capabilities(ttl_resolution=2.5)
+V3_CAPABILITIES = _capabilities(ttl_resolution=2.5, tickets_in_value=False)  # a ticket is the key's version
 
 
 def ttl_seconds(ttl: float) -> int:

@@ -1,17 +1,19 @@
 """The ``etcd-v2://`` backend: the KV protocol's operations on etcd's v2 API.
 
 Writes are compare-guarded where the protocol asks (``prevExist``, ``prevIndex``); ``add`` is a
-compare-and-swap loop on ``prevIndex`` and ``prevValue`` whose lost races carry the current state; a watch
-is a long poll. ``docs/backends/etcd-v2.md`` explains the attempts, retries and what they cost.
+compare-and-swap loop on ``prevIndex`` and ``prevValue`` whose lost races carry the current state; a ticket
+is an in-order key (``POST``) in the key's directory; a watch is a long poll. ``docs/backends/etcd-v2.md``
+explains the attempts, retries and what they cost.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import urllib.parse
 from typing import Any
 
-from rdzv_core.errors import BackendClosed, BackendUnavailable, HistoryCompacted, KeyExists
+from rdzv_core.errors import BackendClosed, BackendTimeout, BackendUnavailable, HistoryCompacted, KeyExists, KeyNotFound
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
 from .._concurrency import AddCombiner, RaceRetry
@@ -42,6 +44,7 @@ from .mapping import (
     node_segments,
     nodes,
     own_write,
+    ticket_nodes,
     to_entry,
     unexpected,
     value_params,
@@ -316,6 +319,46 @@ class EtcdV2Backend(KVBackend):
             self._counters.pop(key, None)  # only states this backend wrote are remembered (never corrupt ones)
             if not race.again(progressed):
                 raise race.exhausted(f"add({key!r})", key, self.settings.operation_timeout)
+
+    def _do_take_ticket(self, key: str) -> int:
+        """``POST`` an in-order key into the key's node, a directory (``/a/b/!t/000...N``): one write that
+        never races; the ticket is its place among the directory's children (one sorted read).
+
+        The written value is a random token: an attempt that may have been applied is not sent again (that
+        could take two tickets) and the token is looked for instead.
+
+        Raises:
+            CorruptEntry: the key's node is a value or a directory that is not a ticket directory.
+            BackendTimeout: an attempt may have been applied, no answer came and its token is not there.
+            KeyNotFound: the key was deleted between the write and the read.
+        """
+        deadline, tries = self._deadline(), self._net.tries()
+        token = b64(os.urandom(9))
+        try:
+            answer = self._net.call("POST", node_path(key), {"value": token}, deadline, tries, resend=False)
+        except BackendTimeout:
+            found = self._find_ticket(key, token, deadline) if tries.maybe_applied else None
+            if found is None:
+                raise
+            return found
+        if not answer.ok:
+            raise unexpected(answer, key)  # NOT_DIR: a value node stands at the key
+        found = self._find_ticket(key, token, deadline)
+        if found is None:
+            raise KeyNotFound(f"ticket key {key!r} was deleted while a ticket was taken", key)
+        return found
+
+    def _find_ticket(self, key: str, token: str, deadline: Deadline) -> int | None:
+        """The place (1-based) of the in-order key holding ``token`` in ``key``'s ticket directory, if any."""
+        answer = self._net.call("GET", node_path(key), {"sorted": "true", **QUORUM}, deadline)
+        if not answer.ok:
+            if answer.code in (KEY_NOT_FOUND, NOT_DIR):
+                return None
+            raise unexpected(answer, key)
+        for place, node in enumerate(ticket_nodes(key, answer.body["node"]), 1):
+            if node.get("value") == token:
+                return place
+        return None
 
     def _read_counter(self, key: str, deadline: Deadline) -> Counter | None:
         """The counter node at ``key`` (``None`` if absent); :class:`CorruptEntry` for a directory."""

@@ -27,6 +27,8 @@ DIR_NOT_EMPTY, UNAUTHORIZED, RAFT_INTERNAL, LEADER_ELECT, INDEX_CLEARED = 108, 1
 _INDEX_MOVED = re.compile(r"\[(\d+) != (\d+)\]")
 _BOTH_MOVED = re.compile(r"\[(\S*) != (.*)\] \[(\d+) != (\d+)\]", re.DOTALL)
 _CAUSE_INDEX = re.compile(r"\[(\d+) != (\d+)\]\Z")
+#: The name etcd gives an in-order key (``POST``): its createdIndex, 20 digits.
+_IN_ORDER = re.compile(r"[0-9]{20}")
 
 
 class Answer(NamedTuple):
@@ -107,9 +109,25 @@ def dir_error(key: str) -> CorruptEntry:
 
 
 def to_entry(key: str, node: dict[str, Any]) -> Entry:
+    """The entry of a key's node; a ticket directory reads as its count (the ``add`` counter's form)."""
     if node.get("dir"):
-        raise dir_error(key)
+        tickets = ticket_nodes(key, node)
+        revision = max([int(node["modifiedIndex"])] + [int(t["modifiedIndex"]) for t in tickets])
+        return Entry(key, str(len(tickets)).encode("ascii"), revision)
     return Entry(key, decode(key, node.get("value", "")), int(node["modifiedIndex"]))
+
+
+def ticket_nodes(key: str, node: dict[str, Any]) -> list[dict[str, Any]]:
+    """The in-order keys of a ticket directory (``take_ticket``: ``/a/b/!t/000...N``), in the answer's order.
+
+    Raises:
+        CorruptEntry: ``node`` is a value, an empty directory or one holding anything else (not ours).
+    """
+    children = node.get("nodes") or []
+    if not node.get("dir") or not children or not all(
+            not c.get("dir") and _IN_ORDER.fullmatch(str(c.get("key", "")).rsplit("/", 1)[-1]) for c in children):
+        raise dir_error(key)
+    return list(children)
 
 
 def nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
@@ -182,12 +200,17 @@ def watch_event(body: dict[str, Any], prefix: str) -> Event | None:
     """The :class:`Event` of a v2 watch answer, ``None`` if it is not one to report."""
     node = body.get("node", {})
     kind = ACTIONS.get(body.get("action", ""))
-    if kind is None or node.get("dir") or body.get("refresh"):
+    if kind is None or body.get("refresh") or (node.get("dir") and kind is EventType.PUT):
         return None
-    key = key_of(node.get("key", ""))
+    path = str(node.get("key", ""))
+    key = key_of(path)
+    parent, _, name = path.rpartition("/")
+    ticket = key is None and not node.get("dir") and _IN_ORDER.fullmatch(name) is not None
+    if ticket:  # a ticket taken: a change of the ticket key (its count is not in the event)
+        key = key_of(parent)
     if key is None or not key.startswith(prefix):
         return None
-    value = decode(key, node.get("value", "")) if kind is EventType.PUT else None
+    value = (b"" if ticket else decode(key, node.get("value", ""))) if kind is EventType.PUT else None
     return Event(kind, key, int(node["modifiedIndex"]), value)
 
 

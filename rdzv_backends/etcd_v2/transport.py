@@ -132,7 +132,8 @@ class Transport:
         return Tries(self.seen)
 
     def call(
-        self, method: str, path: str, params: dict[str, str], deadline: Deadline, tries: Tries | None = None
+        self, method: str, path: str, params: dict[str, str], deadline: Deadline, tries: Tries | None = None,
+        *, resend: bool = True,
     ) -> Answer:
         """Send one request, failing over between endpoints until ``deadline``.
 
@@ -142,6 +143,8 @@ class Transport:
         Args:
             path: the quoted path below ``/v2/keys``.
             tries: for a compare-guarded write: marked when an attempt failed after it may have reached etcd.
+            resend: ``False``: no attempt after one that may have reached etcd (a write that must not be
+                applied twice, such as an in-order key); the call raises ``BackendTimeout`` instead.
 
         Returns:
             The :class:`~.mapping.Answer`: a 2xx answer or an etcd error payload.
@@ -150,7 +153,7 @@ class Transport:
             BackendConnectionError, BackendTimeout: no endpoint answered in time (see ``errors.give_up``).
             InvalidURLError: the server does not serve the v2 API, or refused the credentials.
         """
-        answer = self.send(method, path, params, deadline, tries=tries, poll=None)
+        answer = self.send(method, path, params, deadline, tries=tries, poll=None, resend=resend)
         if answer is None:  # only long polls time out quietly
             raise BackendTimeout(f"etcd {method} {path} timed out")
         return answer
@@ -164,6 +167,7 @@ class Transport:
         *,
         tries: Tries | None,
         poll: Deadline | None,
+        resend: bool = True,
     ) -> Answer | None:
         """:meth:`call`; with ``poll`` (a watch's deadline) a long poll that times out returns ``None``."""
         what = f"{method} {urllib.parse.unquote(path)}"
@@ -172,6 +176,9 @@ class Transport:
         while True:
             for index in self.endpoints.order():
                 self._check_open()
+                if not resend and tries is not None and tries.maybe_applied:
+                    raise BackendTimeout(f"etcd {what}: an attempt may have been applied and no answer came; "
+                                         "not sent again") from last
                 per_try = deadline.attempt() if poll is None else max(poll.remaining(), _MIN_POLL)
                 if per_try <= 0:
                     break

@@ -178,7 +178,7 @@ class RoundMachine(RoundIO):
             self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
         else:
             self._defer_to_incumbents(version, rid, deadline)
-            ticket = self._add(self.keys.joined(version, rid))
+            ticket = self._take_ticket(self.keys.joined(version, rid))
             self._held = Held(version, rid, ticket)
             self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
         if ticket == p.limit:
@@ -208,7 +208,7 @@ class RoundMachine(RoundIO):
         joined_key = self.keys.joined(version, rid)
         while time.monotonic() < until:
             revision = self.kv.list(self.keys.round_dir(version, rid))[1]
-            joined = self._counter(joined_key)
+            joined = self._tickets(joined_key)
             if joined >= incumbents:
                 return
             record = self._read_state()[1]
@@ -248,13 +248,13 @@ class RoundMachine(RoundIO):
                 return
             now = time.monotonic()
             if now >= end:
-                self._freeze(version, rid, min(self._counter(self.keys.joined(version, rid)), p.limit), deadline)
+                self._freeze(version, rid, min(self._tickets(self.keys.joined(version, rid)), p.limit), deadline)
                 return
             try:
                 self.kv.refresh(self.keys.round_record, ttl)
             except KeyNotFoundError:
                 return
-            self._progress("last-call", version, self._counter(self.keys.joined(version, rid)), deadline)
+            self._progress("last-call", version, self._tickets(self.keys.joined(version, rid)), deadline)
             wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end), seen)
 
     def _wait_until_not_joinable(self, version: int, rid: str | None, deadline: float) -> tuple[Entry, RoundRecord]:
@@ -268,7 +268,7 @@ class RoundMachine(RoundIO):
                 raise Retry(f"round {version} expired before it froze")
             if record.status is not Status.JOINABLE or not record.is_round(version, rid):
                 return entry, record
-            joined = self._counter(self.keys.joined(version, rid))
+            joined = self._tickets(self.keys.joined(version, rid))
             self._progress("joining", version, joined, deadline)
             if joined >= self.params.min_nodes and record.last_call is None:
                 if stalled_at == entry.revision:
@@ -302,11 +302,11 @@ class RoundMachine(RoundIO):
             # Resumed after a backend error: counted already, or the add never took effect. Never count
             # twice (that would make the round final without a member); a lost count is repaired from
             # the keep-alive keys instead (_check_frozen_stall).
-            confirmed = self._counter(self.keys.confirmed(version, rid))
+            confirmed = self._tickets(self.keys.confirmed(version, rid))
             in_doubt = confirmed < world
         else:
             self._held = Held(version, rid, rank + 1, confirmed=True)
-            confirmed = self._add(self.keys.confirmed(version, rid))
+            confirmed = self._take_ticket(self.keys.confirmed(version, rid))
         if confirmed == world:
             self._make_final(version, rid, world, deadline)
         while True:
@@ -372,7 +372,7 @@ class RoundMachine(RoundIO):
             Retry: this node destroyed the round (it returns if the record changed first).
         """
         world = record.participants or 0
-        confirmed = self._counter(self.keys.confirmed(record.version, record.id))
+        confirmed = self._tickets(self.keys.confirmed(record.version, record.id))
         unchanged = self._stall.same_for((entry.key, entry.revision, confirmed))
         if repair and unchanged >= self.params.keep_alive_ttl / 3:
             alive, _ = self.kv.list(self.keys.alive_dir(record.version, record.id))
@@ -400,7 +400,7 @@ class RoundMachine(RoundIO):
         world = record.participants or 0
         spare = world >= self.params.limit
         if version not in self._announced:
-            self._add(self.keys.waiting(version, rid))
+            self._take_ticket(self.keys.waiting(version, rid))
             self._announced.add(version)
         started = time.monotonic()
         if spare and self._spare_since is None:

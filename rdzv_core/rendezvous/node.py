@@ -205,13 +205,13 @@ class Rendezvous(RoundMachine):
         if current is not None and (record is None or not record.is_round(current.version, current.round_id or None)):
             joined = 0
             if record is not None and record.status is Status.JOINABLE:
-                joined = self._counter(self.keys.joined(record.version, record.id))
+                joined = self._tickets(self.keys.joined(record.version, record.id))
             return max(1, joined)
         if record is None or record.status is not Status.FINAL:
             return 0
         if (record.participants or 0) >= self.params.limit:
             return 0  # the round is full: the nodes waiting are spares, admitted only when a member is lost
-        return self._counter(self.keys.waiting(record.version, record.id))
+        return self._tickets(self.keys.waiting(record.version, record.id))
 
     def store_extra_data(self, version: int, key: str, value: bytes, round_id: str | None = None) -> None:
         """Store ``value`` under ``key`` for round ``version`` (after ``EtcdRendezvous.store_extra_data``).
@@ -258,8 +258,8 @@ class Rendezvous(RoundMachine):
         if record.version > 0:
             alive, _ = self.kv.list(self.keys.alive_dir(record.version, record.id))
             out["alive"] = [member_record(e) for e in alive]
-            out["joined"] = self._counter(self.keys.joined(record.version, record.id))
-            out["waiting"] = self._counter(self.keys.waiting(record.version, record.id))
+            out["joined"] = self._tickets(self.keys.joined(record.version, record.id))
+            out["waiting"] = self._tickets(self.keys.waiting(record.version, record.id))
         if record.ranks is not None:  # slot -> group rank (docs/ranks.md); a member's "rank" above is its slot
             ranks = self.kv.get(self.keys.ranks(record.version, record.id))
             out["group_ranks"] = member_record(ranks).get("ranks") if ranks is not None else None

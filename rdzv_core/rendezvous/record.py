@@ -6,15 +6,16 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
     ROOT/state/closed           present once the run is closed (never expires)
     ROOT/counter/version        round version counter
     ROOT/v_V.ID/joined          join tickets of round V (ticket t -> slot t-1; the group rank with rank_policy=join)
-    ROOT/v_V.ID/confirmed       confirmations of round V
-    ROOT/v_V.ID/waiting         late nodes counted while V is final
+    ROOT/v_V.ID/confirmed       confirmations of round V (tickets)
+    ROOT/v_V.ID/waiting         late nodes counted while V is final (tickets)
     ROOT/v_V.ID/alive/rank_R    keep-alive key of slot R (TTL; no TTL and "finished" once it finished)
     ROOT/v_V.ID/ranks           group rank of each slot, when the round's rank policy is not join
     ROOT/v_V.ID/extra/KEY       extra data of round V
     ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.progress)
     ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
 
-``ID`` is the round record's random id (:func:`round_segment`).
+``ID`` is the round record's random id (:func:`round_segment`). The three per-round counts are
+ticket keys (``KVBackend.take_ticket``/``tickets``): one write per node, no compare-and-swap race.
 """
 
 from __future__ import annotations

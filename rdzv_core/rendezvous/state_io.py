@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable
 
 from ..errors import CompareFailedError, CorruptEntryError, KeyNotFoundError, RendezvousStateError
-from ..kv import Entry, KVBackend, parse_counter
+from ..kv import Entry, KVBackend
 from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import Deadline
@@ -104,20 +104,23 @@ class RoundIO:
         self._log(logging.INFO, "destroyed the round: %s", reason)
         return True
 
-    def _counter(self, key: str) -> int:
-        """The counter at ``key`` (0 if absent); a corrupt one is a :class:`RendezvousStateError`."""
-        entry = self.kv.get(key)
-        if entry is None:
-            return 0
-        try:
-            return parse_counter(key, entry.value)
-        except CorruptEntryError as exc:
-            raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
+    def _tickets(self, key: str) -> int:
+        """How many tickets were taken at ``key`` (:meth:`~rdzv_core.kv.KVBackend.tickets`); a corrupt
+        counter is a :class:`RendezvousStateError`."""
+        return self._corrupt_is_state_error(key, self.kv.tickets)
+
+    def _take_ticket(self, key: str) -> int:
+        """``kv.take_ticket(key)``: join tickets, confirmations, waiting spares (no compare-and-swap race)."""
+        return self._corrupt_is_state_error(key, self.kv.take_ticket)
 
     def _add(self, key: str) -> int:
-        """``kv.add(key, 1)``, with a corrupt counter reported as :class:`RendezvousStateError`."""
+        """``kv.add(key, 1)`` (the version counter: one writer per round)."""
+        return self._corrupt_is_state_error(key, lambda k: self.kv.add(k, 1))
+
+    @staticmethod
+    def _corrupt_is_state_error(key: str, call: Callable[[str], int]) -> int:
         try:
-            return self.kv.add(key, 1)
+            return call(key)
         except CorruptEntryError as exc:
             raise RendezvousStateError(f"counter at {key!r} is corrupt: {exc}; reset the run's state", key) from None
 

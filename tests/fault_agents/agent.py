@@ -143,7 +143,7 @@ class StoppingRendezvous(Rendezvous):
         self._version = version
         if self._armed("join"):
             below_min = lambda key, ticket: key.endswith("/joined") and ticket < self.params.min_nodes  # noqa: E731
-            self.trapped.arm("add", below_min)
+            self.trapped.arm("take_ticket", below_min)
         try:
             return super()._join(version, rid, deadline)
         finally:
