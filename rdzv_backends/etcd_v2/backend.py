@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: Counters whose last written state ``add`` remembers per backend object.
 _COUNTER_CACHE = 1024
+#: Keys written with a TTL whose last answered ``modifiedIndex`` ``refresh`` remembers per backend object.
+_INDEX_CACHE = 65536
 #: Every read is linearizable: ``quorum=true`` makes the member confirm it through raft, so a member cut off
 #: from its peers (or not caught up after a partition) fails the read instead of answering from its own,
 #: possibly old, copy (etcd's v2 API, "Read Consistency"; v3 ranges are linearizable by default).
@@ -89,6 +91,7 @@ class EtcdV2Backend(KVBackend):
         self._net = Transport(settings, self._check_open, lambda: self._closed)
         self._adds: AddCombiner[Deadline] = AddCombiner()
         self._counters: dict[str, Counter] = {}  # key -> state last written by add (see _add_once)
+        self._indexes: dict[str, int] = {}  # key -> modifiedIndex of its last TTL write seen (see _do_refresh)
         try:
             opening = Deadline(settings.operation_timeout)
             answering = probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once
@@ -143,7 +146,18 @@ class EtcdV2Backend(KVBackend):
         answer = self._net.call("PUT", node_path(key), params, deadline, tries)
         if answer.code in (NOT_FILE, NOT_DIR):
             raise unexpected(answer, key)
+        if answer.ok and "ttl" in params:
+            self._note_index(key, int(answer.body["node"]["modifiedIndex"]))
         return answer
+
+    def _note_index(self, key: str, index: int | None) -> None:
+        """Remember ``key``'s ``modifiedIndex`` for its next refresh (``None``: forget it); bounded."""
+        if index is None:
+            self._indexes.pop(key, None)
+            return
+        if len(self._indexes) >= _INDEX_CACHE and key not in self._indexes:
+            self._indexes.clear()
+        self._indexes[key] = index
 
     def _read_node(self, key: str, deadline: Deadline) -> dict[str, Any] | None:
         """The v2 node at ``key`` (a value or a directory), ``None`` if absent."""
@@ -195,6 +209,7 @@ class EtcdV2Backend(KVBackend):
         deadline, tries = self._deadline(), self._net.tries()
         answer = self._net.call("DELETE", node_path(key), {"prevIndex": str(expected_revision)}, deadline, tries)
         if answer.ok:
+            self._note_index(key, None)
             self._prune(key, deadline)
             return
         if tries.maybe_applied and not self._conflict_predates(answer, tries):
@@ -223,6 +238,7 @@ class EtcdV2Backend(KVBackend):
             self._delete_blocking(key, str(answer.body.get("cause", "")), deadline)
             return False
         if answer.ok:
+            self._note_index(key, None)
             self._prune(key, deadline)
             return True
         if answer.code == KEY_NOT_FOUND:
@@ -261,12 +277,45 @@ class EtcdV2Backend(KVBackend):
             raise unexpected(answer, key)
 
     def _do_refresh(self, key: str, ttl: float) -> None:
-        params = {"ttl": str(ttl_seconds(ttl)), "refresh": "true", "prevExist": "true"}
-        answer = self._write(key, params, self._deadline())
+        """A refresh guarded by the key's ``modifiedIndex`` (which every refresh moves on).
+
+        v2 stores an absolute expiry time, computed by the member that took the request. An attempt that timed out
+        at a follower whose leader was cut off is not lost: forwarded to that leader, it arrives once the link heals
+        and may be applied long after later refreshes, setting the expiry back to a moment already past: the key
+        lapses although it was refreshed in time. Guarded, such a late attempt fails its compare instead.
+        """
+        deadline = self._deadline()
+        race = RaceRetry(deadline)
+        index = self._indexes.get(key)
+        while True:
+            if index is None:
+                index = self._refreshable_index(key, deadline)
+            params = {"ttl": str(ttl_seconds(ttl)), "refresh": "true", "prevExist": "true", "prevIndex": str(index)}
+            answer = self._write(key, params, deadline)
+            if answer.ok:
+                return
+            if answer.code == KEY_NOT_FOUND:
+                self._note_index(key, None)
+                raise key_gone(key)
+            if answer.code != COMPARE_FAILED:
+                raise unexpected(answer, key)
+            index = current_index(str(answer.body.get("cause", "")))  # written meanwhile (or by our own attempt)
+            self._note_index(key, index)
+            if not race.again(True):
+                raise race.exhausted(f"refresh({key!r})", key, self.settings.operation_timeout)
+
+    def _refreshable_index(self, key: str, deadline: Deadline) -> int:
+        """``key``'s ``modifiedIndex`` read from etcd; raises as an unguarded refresh of it would."""
+        answer = self._net.call("GET", node_path(key), dict(QUORUM), deadline)
         if answer.code == KEY_NOT_FOUND:
             raise key_gone(key)
         if not answer.ok:
             raise unexpected(answer, key)
+        if answer.body["node"].get("dir"):
+            raise dir_error(key)
+        index = int(answer.body["node"]["modifiedIndex"])
+        self._note_index(key, index)
+        return index
 
     def _do_add(self, key: str, delta: int) -> int:
         return self._adds.add(key, delta, self._deadline(), lambda total, dl: self._add_once(key, total, dl))
