@@ -466,6 +466,27 @@ class LogTally(logging.Handler):
         return out
 
 
+def _debug_log() -> None:
+    """With ``RDZV_BENCH_LOG=DIR``: the rendezvous' INFO lines of this worker go to ``DIR/worker-PID.log``
+    (a diagnosis aid: which member stalled a round; costs time at N = 1,024). With
+    ``RDZV_BENCH_GRPC_WAIT=S``: gRPC's blocked streams wake every S s instead of 0.1 s (an experiment:
+    1,024 etcd-v3 watch streams on 2 cores, each waking ten times a second for the GIL)."""
+    wait = os.environ.get("RDZV_BENCH_GRPC_WAIT")
+    if wait:  # an experiment on the harness, not the library: see docs/benchmarks.md, "One client per agent"
+        import grpc._common
+
+        grpc._common.MAXIMUM_WAIT_TIMEOUT = float(wait)  # gRPC's wait slice (0.1 s) in every blocked stream
+    directory = os.environ.get("RDZV_BENCH_LOG")
+    if not directory:
+        return
+    handler = logging.FileHandler(os.path.join(directory, f"worker-{os.getpid()}.log"))
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f %(threadName)s %(name)s %(message)s"))
+    logger = logging.getLogger("rdzv_core.rendezvous")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def worker_main(conn: Any, events: list[Any], target: dict[str, Any]) -> None:
     """Entry point of a worker process (see the module docstring for the protocol;
     the ``tp_*`` commands are :func:`benchmarks.throughput.measure_store`'s)."""
@@ -475,6 +496,7 @@ def worker_main(conn: Any, events: list[Any], target: dict[str, Any]) -> None:
     tally = LogTally()
     logging.getLogger().addHandler(tally)
     logging.getLogger().setLevel(logging.WARNING)
+    _debug_log()
     threading.excepthook = tally.thread_exception
     try:
         worker = _Worker(target, events)
