@@ -2,7 +2,7 @@
 
 Each member is an :class:`EtcdMember` — the single-member controller
 :class:`~conformance_tests.etcd_server.EtcdServer` (same flags: ``--enable-v2``,
-``--unsafe-no-fsync``, 50 ms heartbeat, 500 ms election timeout) with its own
+``--unsafe-no-fsync``, 50 ms heartbeat, 500 ms election timeout; and ``--pre-vote``) with its own
 name and the cluster's ``--initial-cluster`` — so kill -9, restart (same ports
 and data directory: the member rejoins) and SIGSTOP come from
 :class:`~conformance_tests.servers.ServerProcess`. :class:`EtcdCluster` starts
@@ -69,7 +69,7 @@ class EtcdMember(EtcdServer):
         return f"http://{self.host}:{self.peer_port}"
 
     def command(self) -> Sequence[str]:
-        argv = list(super().command())
+        argv = [*super().command(), "--pre-vote"]  # etcd 3.6 default: a rejoining member forces no election
         argv = _replace_flag(argv, "--name", self.member_name)
         argv = _replace_flag(argv, "--initial-cluster", self.initial_cluster)
         return _replace_flag(argv, "--initial-cluster-token", self.cluster_token)
@@ -205,22 +205,53 @@ class EtcdCluster:
         """
         deadline = time.monotonic() + timeout
         while True:
-            live = [m for m in self.members if m is not exclude and m.running()]
-            ids: dict[str, EtcdMember] = {}
-            named: set[str] = set()
-            for m in live:
-                status = m.status(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-                header = status.get("header") if status else None
-                if not isinstance(header, dict) or not status:
-                    named.add("")  # no answer: not settled
-                    continue
-                ids[str(header.get("member_id"))] = m
-                named.add(str(status.get("leader", "")))
-            if len(named) == 1:
-                (leader_id,) = named
-                if leader_id in ids:
-                    return ids[leader_id]
+            agreed, answers = self._look(exclude, deadline)
+            if agreed is not None:
+                return agreed[0]
             if time.monotonic() >= deadline:
-                raise TimeoutError(f"no agreed etcd leader among {[m.member_name for m in live]} "
-                                   f"within {timeout} s (leader ids named: {sorted(named)})")
+                raise TimeoutError(f"no agreed etcd leader within {timeout} s; (member, leader, term): {answers}")
             time.sleep(0.05)
+
+    def settled(self, quiet: float = 2.0, timeout: float = 30.0) -> EtcdMember:
+        """The leader, once every member has named it in one raft term for ``quiet`` seconds.
+
+        A member healed or restarted a moment ago may still disturb the cluster (etcd 3.5 without
+        pre-vote: its higher term forces an election); a test that cuts the leader waits for this first.
+
+        Raises:
+            TimeoutError: not settled within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        seen, since = None, time.monotonic()
+        while True:
+            agreed, answers = self._look(None, deadline)
+            now = time.monotonic()
+            if agreed is None or agreed != seen:
+                seen, since = agreed, now
+            elif now - since >= quiet:
+                return agreed[0]
+            if now >= deadline:
+                raise TimeoutError(f"etcd cluster not settled for {quiet} s within {timeout} s; "
+                                   f"(member, leader, term): {answers}")
+            time.sleep(0.1)
+
+    def _look(self, exclude: EtcdMember | None, deadline: float) -> tuple[tuple[EtcdMember, str] | None, list]:
+        """One poll: ``((leader, term), answers)`` if every running member (but ``exclude``) answered naming
+        one running leader in one term, else ``(None, answers)``; answers: ``(member, leader id, term)``."""
+        live = [m for m in self.members if m is not exclude and m.running()]
+        ids: dict[str, EtcdMember] = {}
+        answers: list[tuple[str, str, str]] = []
+        for m in live:
+            status = m.status(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            header = status.get("header") if status else None
+            if not isinstance(header, dict) or not status:
+                answers.append((m.member_name, "", ""))  # no answer: not settled
+                continue
+            ids[str(header.get("member_id"))] = m
+            answers.append((m.member_name, str(status.get("leader", "")), str(status.get("raftTerm", ""))))
+        named = {(leader, term) for _, leader, term in answers}
+        if len(named) == 1:
+            ((leader_id, term),) = named
+            if leader_id in ids:
+                return (ids[leader_id], term), answers
+        return None, answers
