@@ -46,8 +46,8 @@ Tickets
     ``take_ticket(key)`` hands concurrent callers 1, 2, 3, ..., each number once;
     ``tickets(key)`` says how many were taken. A ticket key is written and read only
     through these two (and deleted by ``delete``); its stored form is the backend's:
-    an ``add`` counter by default (``capabilities.tickets_in_value``), the key's
-    version on etcd v3, where a counter under contention costs a compare-and-swap race.
+    an ``add`` counter by default, in-order keys on etcd v2, the key's version on etcd
+    v3 -- where a counter under contention costs a compare-and-swap race.
 Deadlines
     Every call returns or raises within the backend's ``operation_timeout``. A
     caller with a tighter bound (the c10d Store: its timeout) wraps its calls in
@@ -154,8 +154,9 @@ class Capabilities:
         auth: the backend accepts a user and password from the URL.
         max_value_bytes: the largest value accepted (bytes), ``None`` if unlimited.
         ttl_resolution: how late (seconds) an expiry may be observed by watch.
-        tickets_in_value: ``take_ticket`` stores an ``add`` counter (decimal value), so
-            ``get`` reads the count and foreign data there is a ``CorruptEntry``.
+        tickets_in_value: ``get`` reads a ticket key as its count (ASCII decimal), and
+            foreign data there is a ``CorruptEntry`` (``False`` on etcd v3: the count is
+            the key's version).
     """
 
     multi_host: bool
