@@ -466,7 +466,7 @@ class LogTally(logging.Handler):
         return out
 
 
-def _debug_log() -> None:
+def _diagnosis_switches() -> None:
     """With ``RDZV_BENCH_LOG=DIR``: the rendezvous' INFO lines of this worker go to ``DIR/worker-PID.log``
     (a diagnosis aid: which member stalled a round; costs time at N = 1,024). With
     ``RDZV_BENCH_GRPC_WAIT=S``: gRPC's blocked streams wake every S s instead of 0.1 s (an experiment:
@@ -496,7 +496,7 @@ def worker_main(conn: Any, events: list[Any], target: dict[str, Any]) -> None:
     tally = LogTally()
     logging.getLogger().addHandler(tally)
     logging.getLogger().setLevel(logging.WARNING)
-    _debug_log()
+    _diagnosis_switches()
     threading.excepthook = tally.thread_exception
     try:
         worker = _Worker(target, events)

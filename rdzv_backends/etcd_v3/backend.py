@@ -402,14 +402,8 @@ class EtcdV3Backend(KVBackend):
         """
         deadline, tries = self._deadline(), self._net.tries()
         request = put_request(v3_key(key), b"", 0)
-
-        def rpc(ep: Endpoint, timeout: float, metadata: Any) -> Any:
-            if tries.maybe_applied:
-                raise BackendTimeout(f"take_ticket({key!r}): an attempt may have reached etcd and no answer came: "
-                                     "the ticket may or may not have been taken", key)
-            return ep.kv.Put(request, timeout=timeout, metadata=metadata)
-
-        answer = self._net.call(rpc, deadline, what=f"take a ticket at {key!r}", tries=tries)
+        answer = self._net.call(lambda ep, t, md: ep.kv.Put(request, timeout=t, metadata=md), deadline,
+                                what=f"take a ticket at {key!r}", tries=tries, resend=False)
         self._revoke_replaced(answer.prev_kv, 0, deadline)
         return int(answer.prev_kv.version) + 1  # an absent key: an empty prev_kv, version 0
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, TypeVar
 from rdzv_core.errors import (
     BackendClosed,
     BackendConnectionError,
+    BackendTimeout,
     BackendUnavailable,
     InvalidURLError,
     KVError,
@@ -185,6 +186,7 @@ class Transport:
         what: str,
         reauth: bool = True,
         tries: Tries | None = None,
+        resend: bool = True,
     ) -> T:
         """Run ``rpc(endpoint, timeout, metadata)`` on the endpoints in turn until ``deadline``.
 
@@ -196,6 +198,8 @@ class Transport:
             tries: for a compare-guarded transaction: marked when an attempt failed
                 after it may have reached etcd (see :class:`~rdzv_backends._etcd.budget.Tries`).
             reauth: renew the auth token once if etcd reports it invalid.
+            resend: ``False``: no attempt after one that may have reached etcd (a write that must not be
+                applied twice, such as a ticket's put); the call raises ``BackendTimeout`` instead.
 
         Raises:
             BackendConnectionError, BackendTimeout: no endpoint answered in time (see ``errors.give_up``).
@@ -208,6 +212,9 @@ class Transport:
         while True:
             for index in self.endpoints.order():
                 self._check_open()
+                if not resend and tries is not None and tries.maybe_applied:
+                    raise BackendTimeout(f"etcd {what}: an attempt may have reached etcd and no answer came; "
+                                         "not sent again") from last
                 per_try = deadline.attempt()
                 if per_try <= 0 and tried:
                     break
