@@ -1347,6 +1347,53 @@ def test_v3_workers_forked_during_a_watch_start_cleanly(etcd: EtcdServer) -> Non
     assert done.stdout.strip() == "0", f"{done.stdout.strip()} of 200 forked children failed"
 
 
+WATCHERS = """
+import os, sys, threading, time, urllib.request
+from rdzv_core import open_backend
+url, metrics, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+def threads():
+    return len(os.listdir("/proc/self/task"))
+def server_watches():
+    for line in urllib.request.urlopen(metrics, timeout=5).read().decode().splitlines():
+        if line.startswith("etcd_debugging_mvcc_watcher_total "):
+            return int(float(line.split()[1]))
+    return 0
+clients = [open_backend(url) for _ in range(n)]
+revision = clients[0].list("w/")[1]
+got = [None] * n
+def watch(i):
+    got[i] = clients[i].watch(f"w/{i}/", revision, 60.0)
+before = threads()
+watchers = [threading.Thread(target=watch, args=(i,)) for i in range(n)]
+for t in watchers:
+    t.start()
+deadline = time.monotonic() + 30
+while server_watches() < n and time.monotonic() < deadline:
+    time.sleep(0.05)
+during = threads()
+for i in range(n):
+    clients[0].put(f"w/{i}/k", b"v")
+for t in watchers:
+    t.join(60)
+delivered = sum(bool(events) and events[0].key == f"w/{i}/k" for i, events in enumerate(got))
+print(during - before - n, delivered)
+"""
+
+
+def test_v3_open_watch_streams_start_no_threads(own_etcd: EtcdServer) -> None:
+    """40 backend objects (one client per agent) with one waiting watch each: the streams run on the process's
+    one stream loop, so the process gains the 40 waiting callers' threads and a handful, not threads per stream
+    (gRPC's synchronous streams took three each: a reader, a request consumer, a channel spin thread, each
+    waking for the GIL every 0.1-0.2 s; docs/backends/etcd-v3.md, "Streams"). Every watch still gets its event."""
+    n = 40
+    done = subprocess.run([sys.executable, "-c", WATCHERS, f"etcd-v3://{own_etcd.address}/",
+                           f"http://{own_etcd.address}/metrics", str(n)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    extra, delivered = (int(x) for x in done.stdout.split())
+    assert delivered == n, done.stdout
+    assert extra <= 12, f"{extra} threads beyond the {n} waiting callers while {n} watch streams were open"
+
+
 def test_old_import_paths_keep_working() -> None:
     """``rdzv_backends.etcd_v2.EtcdV2Backend``, ``rdzv_backends.etcd_v3.EtcdV3Backend`` (lazy, PEP 562) and the
     names of the former ``rdzv_backends._etcd_common``."""

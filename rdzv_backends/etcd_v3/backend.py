@@ -2,7 +2,7 @@
 
 Compare-guarded writes are transactions; ``add`` is one transaction per attempt whose lost race answers the
 current state; a ticket is the key's version after one plain ``Put``; a TTL is a lease of the key's own;
-watches share one gRPC stream per endpoint (:mod:`.watch`).
+watches share one gRPC stream per endpoint (:mod:`.watch`); streams run on the process's stream loop (:mod:`.streams`).
 ``docs/backends/etcd-v3.md`` explains the leases, attempts, retries and their measured costs.
 """
 
@@ -21,6 +21,7 @@ from .._etcd.errors import compare_error, key_gone, may_have_applied
 from .._etcd.settings import MAX_VALUE_BYTES, V3_CAPABILITIES, EtcdSettings, ttl_seconds
 from .._etcd.probe import probe_http
 from .._etcd.tls import check_tls
+from . import streams
 from .client import etcdrpc, grpc, transactions
 from .keys import key_of, own_write, prefix_range, v3_key
 from .transport import Endpoint, ServerError, Transport, put_request, range_request, txn_request
@@ -30,7 +31,7 @@ __all__ = ["EtcdV3Backend", "REFRESH_CONCURRENCY"]
 
 log = logging.getLogger(__name__)
 
-#: Refreshes (a Range and a LeaseKeepAlive stream each) one client runs at once; more wait their turn.
+#: Refreshes (a Range and a one-request LeaseKeepAlive stream each) one client runs at once; more wait their turn.
 REFRESH_CONCURRENCY = 32
 #: Counters whose last written state ``add`` remembers per backend object.
 _COUNTER_CACHE = 1024
@@ -79,6 +80,7 @@ class EtcdV3Backend(KVBackend):
                 self._net.authenticate(Deadline(settings.operation_timeout))
             self._net.call(lambda ep, t, md: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md),
                            opening, what="status")
+            self._net.open_streams()
         except BaseException:
             self._do_close()
             raise
@@ -120,13 +122,25 @@ class EtcdV3Backend(KVBackend):
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
     def _keepalive(self, lease: int, deadline: Deadline) -> int:
-        """Send one keep-alive for ``lease``; return its granted TTL (seconds), 0 if it is gone."""
+        """Send one keep-alive for ``lease``; return its granted TTL (seconds), 0 if it is gone.
+
+        A one-request ``LeaseKeepAlive`` stream on the stream loop (:mod:`.streams`): no threads of its own.
+        """
         request = etcdrpc.LeaseKeepAliveRequest(ID=lease)
 
         def rpc(ep: Endpoint, timeout: float, metadata: Any) -> int:
-            for answer in ep.lease.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata):
-                return int(answer.TTL)
-            return 0
+            stub = ep.streams().lease
+
+            async def once() -> int:
+                call = stub.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
+                try:
+                    async for answer in call:
+                        return int(answer.TTL)
+                    return 0
+                finally:
+                    call.cancel()
+
+            return streams.run(once, timeout + 1.0)  # gRPC's own deadline ends it first
 
         return self._net.call(rpc, deadline, what="lease keep-alive")
 
@@ -278,8 +292,8 @@ class EtcdV3Backend(KVBackend):
 
     def _do_refresh(self, key: str, ttl: float) -> None:
         deadline = self._deadline()
-        # Each keep-alive is a LeaseKeepAlive stream with a gRPC thread of its own; unbounded, 1,024 refreshes at
-        # once starve each other and keys lapse (steady benchmark, docs/benchmarks.md).
+        # Unbounded, 1,024 refreshes at once starved each other and keys lapsed (steady benchmark,
+        # docs/benchmarks.md; measured while each keep-alive stream had gRPC threads of its own).
         if not self._refresh_slots.acquire(timeout=max(0.0, deadline.remaining())):
             raise BackendTimeout(f"refresh({key!r}): {REFRESH_CONCURRENCY} refreshes of this client in flight for "
                                  f"{self.settings.operation_timeout} s", key)
@@ -444,7 +458,7 @@ class EtcdV3Backend(KVBackend):
                 if stream is None or stream.failure is not None or stream.retired or stream.metadata != md:
                     if stream is not None:
                         stream.retire()
-                    stream = ep.stream = WatchStream(ep.watch, ep.target, md)
+                    stream = ep.stream = WatchStream(ep.streams().watch, ep.target, md)
             sub = stream.subscribe(start, end, after)
             if sub is not None:
                 break

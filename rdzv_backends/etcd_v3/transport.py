@@ -25,7 +25,8 @@ from .._etcd.endpoints import Endpoints
 from .._etcd.errors import Failure, give_up, transport_error
 from .._etcd.settings import EtcdSettings
 from .client import etcdrpc, grpc
-from .watch import StreamError, WatchStream
+from .streams import AioEndpoint, StreamError
+from .watch import WatchStream
 
 __all__ = ["Endpoint", "ServerError", "Transport", "range_request", "txn_request", "put_request"]
 
@@ -69,15 +70,17 @@ def _failure(code: Any, details: str) -> Failure | None:
 
 
 class Endpoint:
-    """One etcd endpoint: a gRPC channel, the stubs on it, and the watch stream new watches join."""
+    """One etcd endpoint: a gRPC channel for unary RPCs, the stubs on it, a ``grpc.aio`` channel for the
+    streams (made at the first stream, :meth:`streams`), and the watch stream new watches join."""
 
     def __init__(self, host: str, port: int, settings: EtcdSettings) -> None:
         self.target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._credentials: Any = None
         if settings.protocol == "https":
             key = read_pem(settings.key, "key") if settings.key else read_pem(settings.cert, "cert")  # or one PEM file
             cert = read_pem(settings.cert, "cert")
-            creds = grpc.ssl_channel_credentials(read_pem(settings.ca_cert, "cacert"), key, cert)
-            self.channel = grpc.secure_channel(self.target, creds, options=_CHANNEL_OPTIONS)
+            self._credentials = grpc.ssl_channel_credentials(read_pem(settings.ca_cert, "cacert"), key, cert)
+            self.channel = grpc.secure_channel(self.target, self._credentials, options=_CHANNEL_OPTIONS)
         else:
             self.channel = grpc.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
         self.kv = etcdrpc.KVStub(self.channel)
@@ -87,6 +90,31 @@ class Endpoint:
         self.maintenance = etcdrpc.MaintenanceStub(self.channel)
         self.stream: WatchStream | None = None  # the watch stream new watches join (see WatchStream)
         self.stream_lock = threading.Lock()
+        self._streams: AioEndpoint | None = None
+        self._streams_lock = threading.Lock()
+        self._closed = False
+
+    def streams(self) -> AioEndpoint:
+        """The endpoint's ``grpc.aio`` channel and stubs (:mod:`.streams`), made at the first call.
+
+        Raises:
+            ValueError: the endpoint was closed (as gRPC raises for an RPC on a closed channel).
+        """
+        with self._streams_lock:
+            if self._closed:
+                raise ValueError("Cannot invoke RPC on closed channel!")
+            if self._streams is None:
+                self._streams = AioEndpoint(self.target, self._credentials, _CHANNEL_OPTIONS)
+            return self._streams
+
+    def close(self) -> None:
+        """Close both channels: every stream on them fails, and so do their callers' calls."""
+        with self._streams_lock:
+            self._closed = True
+            streams, self._streams = self._streams, None
+        self.channel.close()
+        if streams is not None:
+            streams.close()
 
 
 def read_pem(path: str | None, field_name: str) -> bytes | None:
@@ -263,7 +291,13 @@ class Transport:
             if not deadline.backoff():
                 raise give_up(self.settings, what, last, refused=refused, tries=tries) from None
 
+    def open_streams(self) -> None:
+        """Make the preferred endpoint's stream channel now (it connects in the background), so that the
+        first watch finds a connection made while the server answered (a silent server then gives a quiet
+        watch, as on the unary channel, not a connection timeout)."""
+        self.eps[self.endpoints.order()[0]].streams()
+
     def close(self) -> None:
         """Close every channel: fails every watch stream, whose callers raise ``BackendClosed``."""
         for ep in self.eps:
-            ep.channel.close()
+            ep.close()

@@ -1,38 +1,26 @@
 """The multiplexed etcd v3 watch stream: one gRPC ``Watch`` stream per endpoint for every caller.
 
-:class:`WatchStream` holds the stream, its dispatcher thread and the per-call subscribers; calls of one key
-range and revision share one server watch (``docs/backends/etcd-v3.md``, "Watch").
+:class:`WatchStream` holds the stream (a ``grpc.aio`` call on the process's stream loop, :mod:`.streams`)
+and the per-call subscribers; calls of one key range and revision share one server watch
+(``docs/backends/etcd-v3.md``, "Watch").
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import queue
 import threading
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from rdzv_core.errors import HistoryCompacted, KVError
 from rdzv_core.kv import Event
 
+from . import streams
 from .client import etcdrpc, grpc
 from .keys import watch_event
+from .streams import StreamError
 
 __all__ = ["StreamError", "WatchStream"]
-
-
-class StreamError(Exception):
-    """A failed watch stream as one waiting call sees it; read like ``grpc.RpcError`` by ``Transport.call``."""
-
-    def __init__(self, code: Any, details: str) -> None:
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> Any:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
 
 
 class _Subscriber:
@@ -67,10 +55,11 @@ class WatchStream:
     first out; events and cancellations carry the ID. Calls of one key range and ``after_revision`` share one
     server watch while it has delivered nothing; a daemon thread reads the responses and wakes the callers
     (:class:`_Subscriber`); a watch nobody waits on is cancelled on the server. When the stream fails, every
-    caller on it is woken with a :class:`StreamError` and retries on a new stream. State is guarded by ``lock``.
+    caller on it is woken with a :class:`StreamError` and retries on a new stream. State is guarded by ``lock``;
+    the stream's reads and writes run on the stream loop, the callers wait on their own threads.
 
     Args:
-        stub: the endpoint's ``etcdrpc.WatchStub``.
+        stub: an ``etcdrpc.WatchStub`` on the endpoint's ``grpc.aio`` channel.
         target: the endpoint (``HOST:PORT``), for messages and the thread's name.
         metadata: gRPC metadata (the auth token) the stream is opened with.
     """
@@ -81,12 +70,14 @@ class WatchStream:
         self.lock = threading.Lock()
         self.failure: StreamError | None = None  # set once the stream ended
         self.retired = False  # takes no new watches; ended once idle
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()  # None ends the request stream
+        self._loop = streams.loop()
+        self._requests: asyncio.Queue[Any] = asyncio.Queue()  # used on the loop only (_send); None ends it
+        self._call: Any = None  # the grpc.aio call, once the loop opened it
+        self._cancelled = False  # the stream is to end (set on the loop)
         self._pending: collections.deque[_ServerWatch] = collections.deque()  # creates not yet answered
         self._active: dict[int, _ServerWatch] = {}  # watch ID -> watch
         self._shared: dict[tuple[bytes, bytes, int], _ServerWatch] = {}  # watches that take subscribers
-        self._call = stub.Watch(iter(self._requests.get, None), metadata=metadata)
-        threading.Thread(target=self._dispatch, name=f"rdzv-etcd-watch {target}", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._dispatch(stub), self._loop)
 
     # -- the callers' side (any thread) ------------------------------------------------------
     def subscribe(self, start: bytes, end: bytes, after: int) -> _Subscriber | None:
@@ -100,7 +91,7 @@ class WatchStream:
                 watch = self._shared[key] = _ServerWatch(key)
                 self._pending.append(watch)  # in the order of the requests: etcd answers creates in order
                 create = etcdrpc.WatchCreateRequest(key=start, range_end=end, start_revision=after + 1)
-                self._requests.put(etcdrpc.WatchRequest(create_request=create))
+                self._send(etcdrpc.WatchRequest(create_request=create))
             sub = _Subscriber(watch)
             watch.subscribers.add(sub)
             return sub
@@ -120,15 +111,20 @@ class WatchStream:
             self.retired = True
             self._end_if_idle()
 
-    # -- the dispatcher's side ----------------------------------------------------------------
-    def _dispatch(self) -> None:
+    # -- the stream loop's side -------------------------------------------------------------
+    async def _dispatch(self, stub: Any) -> None:
         try:
-            for answer in self._call:
+            self._call = stub.Watch(self._request_stream(), metadata=self.metadata)
+            if self._cancelled:
+                self._call.cancel()
+            async for answer in self._call:
                 with self.lock:
                     self._route(answer)
             failure = StreamError(grpc.StatusCode.UNAVAILABLE, f"etcd at {self.target} ended the watch stream")
-        except grpc.RpcError as exc:
+        except grpc.RpcError as exc:  # grpc.aio.AioRpcError
             failure = StreamError(exc.code(), exc.details() or "")
+        except asyncio.CancelledError:  # _end_if_idle, or the channel was closed
+            failure = StreamError(grpc.StatusCode.CANCELLED, f"the watch stream to {self.target} was cancelled")
         except Exception as exc:  # noqa: BLE001 -- ends the stream; its callers must be woken, not left hanging
             failure = StreamError(grpc.StatusCode.UNKNOWN, f"watch stream failed: {exc!r}")
         with self.lock:
@@ -139,8 +135,22 @@ class WatchStream:
             self._shared.clear()
             for watch in watches:
                 self._wake(watch, lambda: StreamError(failure.code(), failure.details()))
-        self._requests.put(None)  # ends gRPC's request thread
-        self._call.cancel()
+        self._requests.put_nowait(None)  # ends the request stream
+        if self._call is not None:
+            self._call.cancel()
+
+    async def _request_stream(self) -> AsyncIterator[Any]:
+        while True:
+            request = await self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def _cancel_call(self) -> None:
+        """End the stream (on the loop): the dispatcher sees the cancellation and wakes nobody left."""
+        self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
 
     def _route(self, answer: Any) -> None:
         """Hand one ``WatchResponse`` to the calls it concerns (``lock`` held)."""
@@ -204,10 +214,14 @@ class WatchStream:
         if watch.watch_id is not None and self._active.pop(watch.watch_id, None) is not None:
             self._cancel(watch.watch_id)
 
+    def _send(self, request: Any) -> None:
+        """Queue ``request`` on the stream (from any thread, the loop's too)."""
+        self._loop.call_soon_threadsafe(self._requests.put_nowait, request)
+
     def _cancel(self, watch_id: int) -> None:
         if self.failure is None:
-            self._requests.put(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
+            self._send(etcdrpc.WatchRequest(cancel_request=etcdrpc.WatchCancelRequest(watch_id=watch_id)))
 
     def _end_if_idle(self) -> None:
         if self.retired and self.failure is None and not self._active and not self._pending:
-            self._call.cancel()  # the dispatcher sees CANCELLED and ends the stream
+            self._loop.call_soon_threadsafe(self._cancel_call)
