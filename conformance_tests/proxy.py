@@ -170,6 +170,14 @@ class TCPProxy:
             finally:
                 loop.call_soon_threadsafe(loop.stop)
                 thread.join(_CONTROL_TIMEOUT)
+        if not thread.is_alive():
+            # A connection accepted during the shutdown (a client reconnecting) has a task still pending: end it
+            # here, or its garbage collection logs "task destroyed but pending" with a traceback from any thread.
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         loop.close()
         self._loop, self._thread = None, None
 

@@ -10,6 +10,10 @@ import uuid
 import pytest
 
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
+# Imported at collection, not inside a test: pytest rewrites this distribution's modules at import (ast.parse), and
+# CPython 3.11's AST state is shared between threads (cpython#106905; 3.11 tracebacks ast.parse their source lines):
+# imported inside a test while other tests' threads ran, it failed twice with "AST constructor recursion depth mismatch".
+from rdzv_core.admin_cli import main
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
@@ -94,8 +98,6 @@ def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsy
     """The version counter numbers rounds: garbage in it, or a value below the round record's version, would make
     the next round fail or reuse an old round's keys. ``status`` shows it, reports it (table and --json) and exits 1
     with a one-line hint to reset the run."""
-    from rdzv_core.admin_cli import main
-
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
@@ -139,8 +141,6 @@ def test_status_reports_a_corrupt_or_lagging_version_counter(rdzv_url, kv, capsy
 
 def test_status_shows_each_members_keep_alive_age(rdzv_url, kv, capsys) -> None:
     """Each member's keep-alive: seconds since its last refresh and until it expires (backend's ``ttl_remaining``)."""
-    from rdzv_core.admin_cli import main
-
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
@@ -187,8 +187,6 @@ def test_started_with_stdout_closed_gives_no_traceback() -> None:
 def test_status_warns_of_members_without_a_keep_alive(rdzv_url, kv, capsys) -> None:
     """A final round whose member's keep-alive key is gone (died, left, stalled): a warning, verdict ``degraded``
     and exit status 1 (table and --json), so that a monitoring probe sees it."""
-    from rdzv_core.admin_cli import main
-
     url = rdzv_url(keep_alive_ttl=30)
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     member = Rendezvous(kv, run_id, RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
