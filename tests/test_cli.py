@@ -12,7 +12,7 @@ import pytest
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 # Imported at collection, not inside a test: pytest rewrites this distribution's modules at import (ast.parse), and
 # CPython 3.11's AST state is shared between threads (cpython#106905; 3.11 tracebacks ast.parse their source lines):
-# imported inside a test while other tests' threads ran, it failed twice with "AST constructor recursion depth mismatch".
+# imported inside a test while other tests' threads ran, it failed twice ("AST constructor recursion depth mismatch").
 from rdzv_core.admin_cli import main
 
 
