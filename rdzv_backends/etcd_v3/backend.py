@@ -21,7 +21,6 @@ from .._etcd.errors import compare_error, key_gone, may_have_applied
 from .._etcd.settings import MAX_VALUE_BYTES, V3_CAPABILITIES, EtcdSettings, ttl_seconds
 from .._etcd.probe import probe_http
 from .._etcd.tls import check_tls
-from . import streams
 from .client import etcdrpc, grpc, transactions
 from .keys import key_of, own_write, prefix_range, v3_key
 from .transport import Endpoint, ServerError, Transport, put_request, range_request, txn_request
@@ -31,7 +30,7 @@ __all__ = ["EtcdV3Backend", "REFRESH_CONCURRENCY"]
 
 log = logging.getLogger(__name__)
 
-#: Refreshes (a Range and a one-request LeaseKeepAlive stream each) one client runs at once; more wait their turn.
+#: Refreshes (a Range and a message on the keep-alive stream each) one client runs at once; more wait their turn.
 REFRESH_CONCURRENCY = 32
 #: Counters whose last written state ``add`` remembers per backend object.
 _COUNTER_CACHE = 1024
@@ -122,27 +121,10 @@ class EtcdV3Backend(KVBackend):
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
     def _keepalive(self, lease: int, deadline: Deadline) -> int:
-        """Send one keep-alive for ``lease``; return its granted TTL (seconds), 0 if it is gone.
-
-        A one-request ``LeaseKeepAlive`` stream on the stream loop (:mod:`.streams`): no threads of its own.
-        """
-        request = etcdrpc.LeaseKeepAliveRequest(ID=lease)
-
-        def rpc(ep: Endpoint, timeout: float, metadata: Any) -> int:
-            stub = ep.streams().lease
-
-            async def once() -> int:
-                call = stub.LeaseKeepAlive(iter([request]), timeout=timeout, metadata=metadata)
-                try:
-                    async for answer in call:
-                        return int(answer.TTL)
-                    return 0
-                finally:
-                    call.cancel()
-
-            return streams.run(once, timeout + 1.0)  # gRPC's own deadline ends it first
-
-        return self._net.call(rpc, deadline, what="lease keep-alive")
+        """Send one keep-alive for ``lease`` on the endpoint's keep-alive stream (:mod:`.lease_stream`); return
+        its granted TTL (seconds), 0 if it is gone."""
+        return self._net.call(lambda ep, t, md: ep.lease_stream(md).keep_alive(lease, t), deadline,
+                              what="lease keep-alive")
 
     # -- reads -----------------------------------------------------------------------
     def _get_kv(self, key: str, deadline: Deadline) -> Any | None:

@@ -25,6 +25,7 @@ from .._etcd.endpoints import Endpoints
 from .._etcd.errors import Failure, give_up, transport_error
 from .._etcd.settings import EtcdSettings
 from .client import etcdrpc, grpc
+from .lease_stream import KeepAliveStream
 from .streams import AioEndpoint, StreamError
 from .watch import WatchStream
 
@@ -92,6 +93,7 @@ class Endpoint:
         self.stream_lock = threading.Lock()
         self._streams: AioEndpoint | None = None
         self._streams_lock = threading.Lock()
+        self._lease_stream: KeepAliveStream | None = None
         self._closed = False
 
     def streams(self) -> AioEndpoint:
@@ -106,6 +108,21 @@ class Endpoint:
             if self._streams is None:
                 self._streams = AioEndpoint(self.target, self._credentials, _CHANNEL_OPTIONS)
             return self._streams
+
+    def lease_stream(self, metadata: Any) -> KeepAliveStream:
+        """The endpoint's keep-alive stream for ``metadata`` (a new one after a failure or a new auth token).
+
+        Raises:
+            ValueError: the endpoint was closed.
+        """
+        stub = self.streams().lease
+        with self._streams_lock:
+            stream = self._lease_stream
+            if stream is None or stream.failure is not None or stream.metadata != metadata:
+                if stream is not None:
+                    stream.close()
+                stream = self._lease_stream = KeepAliveStream(stub, self.target, metadata)
+            return stream
 
     def close(self) -> None:
         """Close both channels: every stream on them fails, and so do their callers' calls."""
