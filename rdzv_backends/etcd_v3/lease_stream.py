@@ -3,7 +3,7 @@
 etcd answers each ``LeaseKeepAliveRequest`` on a stream with one ``LeaseKeepAliveResponse`` carrying the lease's
 ID and its new TTL (0: no such lease), in request order (``server/etcdserver/api/v3rpc/lease.go``); the
 reference client keeps one such stream per client too (``client/v3/lease.go``). A refresh on it is one message
-each way instead of a new stream: 0.5 ms of client CPU here, against 2 ms for a stream of its own.
+each way instead of a new stream: 0.9 ms of client CPU here, against 2.1 ms for a stream of its own.
 """
 
 from __future__ import annotations
