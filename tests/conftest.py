@@ -4,7 +4,8 @@ The conformance plugin runs every test that takes ``rdzv_base_url`` once per ``-
 ``agent_scenario`` exercise the launcher (``rdzv-run``, torchrun with the ``rdzv-*`` handlers) on top of the
 handler: what they check does not depend on the backend (the agent knows only the handler), and each takes
 seconds to minutes of real processes. They run over :data:`AGENT_SCENARIO_BACKENDS` only -- the embedded
-default and one server -- and are deselected for the other URLs; ``--rdzv-every-backend`` runs them over all.
+default -- and over Redis where a test has no ``file`` variant; they are deselected for the other URLs
+(the suite's wall time on 2 cores); ``--rdzv-every-backend`` runs them over all.
 Every backend is covered by the conformance suite, by the membership scenarios that depend on a backend's
 watch and TTL (``tests/test_membership.py``: a frozen node, a spare) and by the multi-host scenarios.
 """
@@ -14,7 +15,9 @@ from __future__ import annotations
 import pytest
 
 #: URL schemes (or ``backend`` fixture ids) the ``agent_scenario`` tests run over.
-AGENT_SCENARIO_BACKENDS = ("file", "redis")
+AGENT_SCENARIO_BACKENDS = ("file",)
+#: The scheme a launcher-level test without a ``file`` variant runs over.
+AGENT_SCENARIO_FALLBACK = "redis"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -41,10 +44,15 @@ def _backend_of(item: pytest.Item) -> str | None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--rdzv-every-backend"):
         return
+    def test_of(item: pytest.Item) -> str:
+        return item.nodeid.split("[", 1)[0]
+
+    covered = {test_of(item) for item in items if _backend_of(item) in AGENT_SCENARIO_BACKENDS}
     keep, drop = [], []
     for item in items:
         scheme = _backend_of(item)
-        chosen = scheme is None or scheme in AGENT_SCENARIO_BACKENDS
+        chosen = scheme is None or scheme in AGENT_SCENARIO_BACKENDS or (
+            scheme == AGENT_SCENARIO_FALLBACK and test_of(item) not in covered)
         (keep if chosen or item.get_closest_marker("agent_scenario") is None else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
