@@ -362,7 +362,9 @@ def test_stopped_workers_are_restarted_within_the_hang_timeout_not_a_dump_wait_e
             os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
         second = until("the restarted workers", lambda: len(starts(1)) == 2 and starts(1), 60, 0.05)
-        assert min(second.values()) - stopped < 2 + 6, f"restarted {min(second.values()) - stopped:.1f} s after"
+        # hang timeout + the new workers' start (torch's import: 9.6 s seen on a loaded 2-core CI); the 10 s wait for
+        # each stopped worker's dump this guards against gave 26.5 s
+        assert min(second.values()) - stopped < 2 + 10, f"restarted {min(second.values()) - stopped:.1f} s after"
         assert node.wait(30) == 0, node.tail()
     finally:
         node.kill_all()
