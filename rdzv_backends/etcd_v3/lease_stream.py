@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Any, AsyncIterator
+from typing import Any
 
 from . import streams
 from .client import etcdrpc, grpc
@@ -91,16 +91,9 @@ class KeepAliveStream:
             self._call.cancel()
         self._requests.put_nowait(None)
 
-    async def _requests_out(self) -> AsyncIterator[Any]:
-        while True:
-            request = await self._requests.get()
-            if request is None:
-                return
-            yield request
-
     async def _read(self, stub: Any) -> None:
         try:
-            self._call = stub.LeaseKeepAlive(self._requests_out(), metadata=self.metadata)
+            self._call = stub.LeaseKeepAlive(streams.requests_from(self._requests), metadata=self.metadata)
             async for answer in self._call:
                 with self._lock:
                     queue = self._waiting.get(int(answer.ID))

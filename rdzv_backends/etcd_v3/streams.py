@@ -13,11 +13,11 @@ import asyncio
 import concurrent.futures
 import os
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from .client import etcdrpc, grpc
 
-__all__ = ["AioEndpoint", "LOOP_THREAD", "StreamError", "loop", "run"]
+__all__ = ["AioEndpoint", "LOOP_THREAD", "StreamError", "loop", "requests_from", "run"]
 
 T = TypeVar("T")
 
@@ -70,6 +70,15 @@ def run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
     except concurrent.futures.TimeoutError:
         future.cancel()
         raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded on the stream loop") from None
+
+
+async def requests_from(queue: asyncio.Queue[Any]) -> AsyncIterator[Any]:
+    """A stream's requests: what ``queue`` yields (on the loop) until ``None``, which ends the stream's writes."""
+    while True:
+        request = await queue.get()
+        if request is None:
+            return
+        yield request
 
 
 class AioEndpoint:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from rdzv_core.errors import HistoryCompacted, KVError
 from rdzv_core.kv import Event
@@ -114,7 +114,7 @@ class WatchStream:
     # -- the stream loop's side -------------------------------------------------------------
     async def _dispatch(self, stub: Any) -> None:
         try:
-            self._call = stub.Watch(self._request_stream(), metadata=self.metadata)
+            self._call = stub.Watch(streams.requests_from(self._requests), metadata=self.metadata)
             if self._cancelled:
                 self._call.cancel()
             async for answer in self._call:
@@ -138,13 +138,6 @@ class WatchStream:
         self._requests.put_nowait(None)  # ends the request stream
         if self._call is not None:
             self._call.cancel()
-
-    async def _request_stream(self) -> AsyncIterator[Any]:
-        while True:
-            request = await self._requests.get()
-            if request is None:
-                return
-            yield request
 
     def _cancel_call(self) -> None:
         """End the stream (on the loop): the dispatcher sees the cancellation and wakes nobody left."""
