@@ -40,6 +40,7 @@ from conformance_tests.test_rendezvous import Agent, _Hooked, round_of
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
+    BackendTimeout,
     BackendUnavailable,
     EventType,
     KVBackend,
@@ -55,6 +56,7 @@ OP_TIMEOUT = 1.0  #: operation_timeout of every proxied client (seconds)
 LIMIT = OP_TIMEOUT + 2.0
 MARGIN = 3.0  #: scheduling slack (seconds) on top of bounds derived from TTLs
 SCHEMES = ["redis", "etcd-v3", "etcd-v2"]
+SETUP_OPENS = 3  #: opens of one proxied client in ``pass`` mode before a ``BackendTimeout`` fails the test
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -78,12 +80,29 @@ def proxy(server: Any) -> Iterator[TCPProxy]:
 
 @pytest.fixture
 def clients(scheme: str, server: Any, proxy: TCPProxy) -> Iterator[Callable[..., KVBackend]]:
-    """``clients(direct=False)`` -> a new client through the proxy (or straight to the server); all closed after."""
+    """``clients(direct=False)`` -> a new client through the proxy (or straight to the server); all closed after.
+
+    Opening a client probes the server within one ``operation_timeout`` (1 s here). An open through the
+    proxy in ``pass`` mode that raises ``BackendTimeout`` met a machine too loaded to finish the probe in
+    1 s (CI saw it once at a load of 9 on 2 cores): that is setup, not what these tests judge, so it is
+    opened again, at most :data:`SETUP_OPENS` times in all. An open under a fault is never tried again.
+    """
     def url(direct: bool = False) -> str:
         address = server.address if direct else proxy.address
         return f"{scheme}://{address}/?operation_timeout={OP_TIMEOUT if not direct else 10}"
 
-    with backends_opened(url) as make:
+    with backends_opened(url) as open_:
+        def make(direct: bool = False) -> KVBackend:
+            attempt = 1
+            while True:
+                in_pass = proxy.mode is Mode.PASS
+                try:
+                    return open_(direct)
+                except BackendTimeout:
+                    if direct or not in_pass or proxy.mode is not Mode.PASS or attempt >= SETUP_OPENS:
+                        raise
+                attempt += 1
+
         yield make
 
 
