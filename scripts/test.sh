@@ -46,14 +46,15 @@ else
   # of their time waiting out partitions and keep-alive TTLs: they run in a second pytest next to the
   # main one, which keeps the suite's wall time that of the main run. The membership scenarios (marker
   # membership: real launchers and workers, mostly waiting out TTLs too) run there as well, so that the two
-  # take about as long (on 2 cores: main alone 29 min and the second 10.5 min otherwise). Its report follows.
+  # take about as long (on 2 cores: main alone 29 min and the second 10.5 min otherwise), and so do the
+  # benchmarks' smoke runs (marker benchmark: 2.5 min; the main run took 27 min, the second 21.5). Its report follows.
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership"
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host and membership scenarios (pytest -m 'multihost or membership'), exit $mh_rc"
+  echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"
   cat "$mh_log"; rm -f "$mh_log"
   if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
     [ "$mh_rc" -ne 0 ] && rc=$mh_rc
