@@ -94,8 +94,9 @@ class RedisBackend(KVBackend):
         tls: TLSFiles | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
+        connection_class, address, where = self._connection_target(host, port, tls)
         self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace),
-                                 username, password is not None)
+                                 username, password is not None, where)
         self.host, self.port, self.db = host, port, db
         self.username = username
         self.namespace = namespace
@@ -108,10 +109,8 @@ class RedisBackend(KVBackend):
         self._index_keys = [ns + "#rev", ns + "#log", ns + "#keys", ns + "#ttl", ns + "#epoch", ns + "#last"]
         self._scratch = ns + "#add"
         #: How every connection is made: this backend's pool and its listener's (class, kwargs).
-        connection_class = redis.SSLConnection if tls is not None else redis.Connection
         self._connection_args: tuple[type[Any], dict[str, Any]] = (connection_class, dict(
-            host=host,
-            port=port,
+            **address,
             db=db,
             username=username,
             # AUTH needs a password with a user; any works for a ``nopass`` user.
@@ -137,6 +136,13 @@ class RedisBackend(KVBackend):
             self._pool.close()
             raise
         log.debug("opened %r", self)
+
+    def _connection_target(self, host: str, port: int,
+                           tls: TLSFiles | None) -> tuple[type[Any], dict[str, Any], str]:
+        """Where this backend's connections go: the redis-py connection class, the keyword arguments
+        that name the server (``host``, ``port``), and how error messages name it."""
+        return (redis.SSLConnection if tls is not None else redis.Connection), {"host": host, "port": port}, \
+            f"redis at {host}:{port}"
 
     def _ping_at_open(self) -> None:
         """The first command. A lost connection is looked into: with TLS, one handshake of our own reads
@@ -407,6 +413,9 @@ def _event(item: Sequence[Any]) -> Event:
 def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCompacted:
     if why == "trimmed":
         detail = f"the log was trimmed (next kept: {revision})"
+    elif why == "diverged":
+        detail = (f"the server's history never issued it (it went from revision {revision} to a later one): it "
+                  f"lost writes the caller saw (a failover to a replica that missed them, or an older snapshot)")
     elif why == "ahead":
         detail = f"the server's revision is {revision}, behind it: it lost data (restart without persistence?)"
     else:
