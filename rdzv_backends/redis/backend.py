@@ -318,6 +318,7 @@ class RedisBackend(KVBackend):
         covered = False  # every later one reaches the waiter as a message: its subscription predates the poll
         start: int | None = after  # where the next poll begins; None: there is nothing to poll
         woken = False  # the next poll follows a wait (so the waiter's hint may tell where to begin)
+        checked = False  # a poll found after_revision in the server's history (heard events may then answer)
         try:
             if timeout > 0:
                 waiter, start = self._notifier.begin(self, prefix, after)
@@ -327,7 +328,7 @@ class RedisBackend(KVBackend):
                     if waiter is not None:
                         waiter.wake.clear()  # from here on, a wake-up means: poll again
                         hint, heard = self._notifier.take_hint(waiter)
-                        if woken and covered and hint and heard and not any(
+                        if woken and covered and checked and hint and heard and not any(
                                 0 < after_revision < epoch - 1 for epoch, _ in heard):
                             # Every event after `after` under the prefix was announced since the last
                             # look, each with its key and value, in the history `after_revision` is
@@ -342,6 +343,7 @@ class RedisBackend(KVBackend):
                     result = self._run("poll", prefix, after_revision, prefix, _WATCH_BATCH, start)
                     if result[0] == -1:
                         raise _history_lost(prefix, after_revision, result[1].decode(), int(result[2]))
+                    checked = True
                     last, scanned, wake_ms, matched = result
                     if matched:
                         return [_event(item) for item in matched]
