@@ -110,7 +110,7 @@ def test_tls_options_are_refused(group: SentinelGroup) -> None:
 
 def test_connects_to_the_master(group: SentinelGroup, clients: Callable[..., KVBackend], prefix: str) -> None:
     kv = clients()
-    entry = kv.put(prefix + "k", b"v")
+    kv.put(prefix + "k", b"v")
     master = group.master()
     with redis.Redis(master.host, master.port) as direct:
         assert direct.hget(f"rdzv:k/{prefix}k", "v") == b"v", "the write did not land on the master"

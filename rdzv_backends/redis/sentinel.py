@@ -11,7 +11,7 @@ revisions, watches -- is :class:`RedisBackend`'s. Failover behaviour: docs/backe
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import redis
 from redis.backoff import NoBackoff
@@ -52,7 +52,7 @@ class _MasterAddress:
             redis.sentinel.MasterNotFoundError: no sentinel answered, or none names a master that
                 is up (during a failover).
         """
-        host, port = self.sentinel.discover_master(self.service_name)
+        host, port = self.sentinel.discover_master(self.service_name)  # type: ignore[no-untyped-call]
         return str(host), int(port)
 
 
@@ -76,7 +76,7 @@ class _MasterConnection(SentinelManagedConnection):
 
     def on_connect_check_health(self, check_health: bool = True) -> None:
         super().on_connect_check_health(check_health=check_health)
-        self.send_command("ROLE", check_health=False)
+        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call]
         role = self.read_response()
         if not role or role[0] not in (b"master", "master"):
             raise redis.ConnectionError(
@@ -118,7 +118,7 @@ class SentinelBackend(RedisBackend):
     ) -> None:
         self.sentinels = [(host, int(port)) for host, port in sentinels]
         self.master_name = master_name
-        self._sentinel = Sentinel(self.sentinels, sentinel_kwargs={
+        self._sentinel = Sentinel(self.sentinels, sentinel_kwargs={  # type: ignore[no-untyped-call]
             "socket_timeout": operation_timeout,
             "socket_connect_timeout": operation_timeout,
             "username": sentinel_username,
@@ -128,8 +128,9 @@ class SentinelBackend(RedisBackend):
         })
         try:
             # host names the group (it keys the shared listener): the master's name and the sentinels.
-            super().__init__(f"{master_name}@{self._listed()}", 0, db=db, username=username, password=password, namespace=namespace,
-                             operation_timeout=operation_timeout, tls=None, max_connections=max_connections)
+            super().__init__(f"{master_name}@{self._listed()}", 0, db=db, username=username, password=password,
+                             namespace=namespace, operation_timeout=operation_timeout, tls=None,
+                             max_connections=max_connections)
         except BackendConnectionError:
             try:
                 self._check_master_name()
@@ -145,7 +146,7 @@ class SentinelBackend(RedisBackend):
         master of that name (a failed open is otherwise a failover or an outage)."""
         for client in self._sentinel.sentinels:
             try:
-                masters = client.sentinel_masters()
+                masters = cast("dict[str, Any]", client.sentinel_masters())
             except redis.RedisError:
                 continue
             if self.master_name not in masters:
