@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from .redis_server import RedisServer
 from .servers import ServerProcess, wait_for_port
 
-__all__ = ["MASTER_NAME", "SentinelGroup", "SentinelProcess"]
+__all__ = ["MASTER_NAME", "GroupServer", "SentinelGroup", "SentinelProcess"]
 
 #: The name the sentinels monitor the master under (the URL's ``master_name``).
 MASTER_NAME = "mymaster"
@@ -69,6 +69,32 @@ class SentinelProcess(ServerProcess):
         return wait_for_port(self.host, self.port, time.monotonic() + 0.5)
 
 
+class GroupServer(RedisServer):
+    """A ``redis-server`` of the group, configured by a file only (no command-line options): the
+    sentinels' ``CONFIG REWRITE`` records a role change there, so a restarted server comes back as
+    what it was last made (a command-line ``--replicaof`` would override that)."""
+
+    def __init__(self, replica_of: RedisServer | None = None) -> None:
+        extra = ("--replicaof", replica_of.host, str(replica_of.port)) if replica_of is not None else ()
+        super().__init__(extra_args=extra)
+        self.config_path = os.path.join(self.data_dir, "redis.conf")
+
+    def command(self) -> Sequence[str]:
+        argv = list(super().command())
+        if not os.path.exists(self.config_path):
+            lines, i = [], 1
+            while i < len(argv):
+                name, values = argv[i][2:], []
+                i += 1
+                while i < len(argv) and not argv[i].startswith("--"):
+                    values.append(argv[i] or '""')
+                    i += 1
+                lines.append(" ".join([name, *values]))
+            with open(self.config_path, "w") as f:
+                f.write("\n".join([*lines, ""]))
+        return [argv[0], self.config_path]
+
+
 class SentinelGroup:
     """A master, a replica and three sentinels on loopback (see the module doc).
 
@@ -86,8 +112,8 @@ class SentinelGroup:
     start_timeout = 60.0
 
     def __init__(self) -> None:
-        first = RedisServer()
-        second = RedisServer(extra_args=("--replicaof", first.host, str(first.port)))
+        first = GroupServer()
+        second = GroupServer(replica_of=first)
         self.servers = [first, second]
         self.sentinels = [SentinelProcess(first.port) for _ in range(3)]
         self.data_dir = tempfile.mkdtemp(prefix="rdzv-sentinel-group-")
@@ -107,9 +133,19 @@ class SentinelGroup:
     def start(self) -> None:
         """Start every server and sentinel that is not running (a killed master comes back and is
         made a replica of the new one); wait until the sentinels name a master that answers."""
+        import redis
+
         self.resume()
+        down = [s for s in self.servers if s.proc is None or s.proc.poll() is not None]
+        named = self._named_masters() if len(down) < len(self.servers) and self.sentinels[0].proc else []
         for process in [*self.servers, *self.sentinels]:
             process.start()
+        for server in down:
+            if named and server.address not in named:  # a replica now: say so at once, as the sentinels would
+                host, port = named[0].rsplit(":", 1)
+                with redis.Redis(server.host, server.port, socket_timeout=5) as client:
+                    client.execute_command("REPLICAOF", host, port)
+                    client.execute_command("CONFIG", "REWRITE")
         self.wait_for_master(deadline=time.monotonic() + self.start_timeout)
 
     def kill(self) -> None:
@@ -134,7 +170,7 @@ class SentinelGroup:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
     # -- the group -------------------------------------------------------------------------------
-    def master(self) -> RedisServer:
+    def master(self) -> GroupServer:
         """The server the sentinels name as master (the first sentinel that answers decides).
 
         Raises:
@@ -146,12 +182,12 @@ class SentinelGroup:
                 return server
         raise RuntimeError(f"the sentinels name no server of this group as master: {address}")
 
-    def replica(self) -> RedisServer:
+    def replica(self) -> GroupServer:
         """The server that is not :meth:`master`."""
         master = self.master()
         return next(s for s in self.servers if s is not master)
 
-    def wait_for_master(self, *, other_than: str | None = None, deadline: float) -> RedisServer:
+    def wait_for_master(self, *, other_than: str | None = None, deadline: float) -> GroupServer:
         """Wait until every sentinel names the same master (not ``other_than``, a ``"HOST:PORT"``),
         that server answers ``ROLE`` as master, and it has a connected replica if both servers run.
 
@@ -181,7 +217,7 @@ class SentinelGroup:
             time.sleep(0.1)
         raise RuntimeError(f"the sentinels did not agree on a new master in time (last seen: {seen!r})")
 
-    def _serves_as_master(self, server: RedisServer) -> bool:
+    def _serves_as_master(self, server: GroupServer) -> bool:
         import redis
 
         with redis.Redis(server.host, server.port, socket_timeout=1) as client:
