@@ -196,12 +196,19 @@ class Rendezvous(RoundMachine):
         The late nodes counted while the current round is final and has fewer than
         ``max_nodes`` members (beyond that they are spares: 0); when this node's round
         (``current``) is no longer the live one, the nodes that joined the round now forming
-        and at least 1; 0 once the run is closed.
+        and at least 1; 0 once the run is closed. A round whose record the backend lost
+        (restarted empty, failed over) is re-established first, and counts as live
+        (``docs/design.md``, "The backend away").
         """
         record = self._read_state()[1]
         current = self.current
         if record is not None and record.status is Status.CLOSED:
             return 0
+        if current is not None and self._watched is not None and (
+                record is None or (record.status is Status.FROZEN and record.is_round(current.version,
+                                                                                      current.round_id or None))):
+            if self._restore_round():  # the backend lost the record or its final state: not the others' doing
+                return 0
         if current is not None and (record is None or not record.is_round(current.version, current.round_id or None)):
             joined = 0
             if record is not None and record.status is Status.JOINABLE:
