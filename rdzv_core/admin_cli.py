@@ -39,6 +39,7 @@ from .errors import (
     KeyNotFoundError,
     RdzvError,
     RendezvousStateError,
+    UnsuitableServerError,
 )
 from .kv import KVBackend, join_key, parse_counter
 from .rendezvous import Rendezvous, Status
@@ -344,11 +345,20 @@ def _delete_tree(kv: KVBackend, prefix: str) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    """Open the backend, run a short protocol self-test, report latency. A server the backend refuses
+    (:class:`UnsuitableServerError`) is a failed check ``server`` with the backend's message; what the
+    backend accepted with a warning (``KVBackend.server_warnings``) is shown as a warning."""
     info, parsed = parse_backend_url(args.url, require_run_id=False)
-    report: dict[str, Any] = {"scheme": parsed.scheme, "capabilities": info.spec.capabilities.as_dict()}
+    report: dict[str, Any] = {"scheme": parsed.scheme, "capabilities": info.spec.capabilities.as_dict(),
+                              "problems": [], "warnings": []}
     t0 = time.monotonic()
-    kv = info.spec.open(parsed)
+    try:
+        kv = info.spec.open(parsed)
+    except UnsuitableServerError as exc:
+        report.update(checks={"server": False}, problems=[str(exc)])
+        return _print_check(args, report)
     report["connect_ms"] = round((time.monotonic() - t0) * 1000, 2)
+    report["warnings"] = list(kv.server_warnings)
     prefix = join_key("rdzv-check", uuid.uuid4().hex) + "/"
     checks: dict[str, bool] = {}
     lat: list[float] = []
@@ -369,15 +379,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         finally:
             for entry in kv.list(prefix)[0]:
                 kv.delete(entry.key)
-    report["checks"] = checks
+    report["checks"] = {"server": True, **checks}
     report["put_latency_ms_median"] = round(sorted(lat)[len(lat) // 2] * 1000, 2)
+    return _print_check(args, report)
+
+
+def _print_check(args: argparse.Namespace, report: dict[str, Any]) -> int:
+    """Print ``rdzv check``'s report (``--json``: as data); 0 if every check passed, else 1."""
+    checks: dict[str, bool] = report["checks"]
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        print(f"{parsed.scheme}: connected in {report['connect_ms']} ms; "
-              f"put median {report['put_latency_ms_median']} ms")
+        if "connect_ms" in report:
+            print(f"{report['scheme']}: connected in {report['connect_ms']} ms; "
+                  f"put median {report['put_latency_ms_median']} ms")
+        else:
+            print(f"{report['scheme']}: the backend refused the server")
         for name, ok in checks.items():
             print(f"  {'ok  ' if ok else 'FAIL'} {name}")
+        for problem in report["problems"]:
+            print(f"  FAIL {problem}")
+        for warning in report["warnings"]:
+            print(f"  WARN {warning}")
     return 0 if all(checks.values()) else 1
 
 

@@ -197,6 +197,10 @@ class KVBackend(abc.ABC):
         multi_host=False, server_side_ttl=False, native_watch=False, persistent=False
     )
 
+    #: What the backend found about its server at open that it accepted with a warning (one line each,
+    #: also logged at WARNING): e.g. a setting the URL explicitly allowed. ``rdzv check`` shows them.
+    server_warnings: tuple[str, ...] = ()
+
     _closed: bool = False
 
     # -- public API (validation lives here, once for every backend) -------------
