@@ -186,9 +186,28 @@ class Rendezvous(RoundMachine):
         return record is not None and record.status is Status.CLOSED
 
     def set_closed(self) -> None:
-        """Mark the run closed so no node starts another round: ``state/closed``, a key without TTL."""
-        self.kv.put(self.keys.closed, b"closed")
-        self._log(logging.INFO, "run closed")
+        """Mark the run closed so no node starts another round, and let the closed run expire.
+
+        The mark ``state/closed`` holds ``{"closed": UNIX_TIME}`` (JSON) and lives ``params.closed_run_ttl``
+        seconds; every other key of the run (``RunKeys.tree``: round records, tickets, keep-alive and extra
+        data, the rounds' Stores) gets the same TTL (``KVBackend.expire_tree``), so a shared server stays
+        bounded. Once the mark has expired the run is absent: a new job with the run id starts afresh.
+        ``closed_run_ttl`` ``None``: the mark and the keys are kept until deleted (``rdzv reset``).
+
+        Raises:
+            BackendUnavailableError: from the backend (the run may be marked closed or not).
+        """
+        ttl = self.params.closed_run_ttl
+        self.kv.put(self.keys.closed, encode_json({"closed": round(time.time(), 3)}), ttl=ttl)
+        if ttl is not None:
+            try:
+                count = self.kv.expire_tree(self.keys.tree, ttl)
+            except CorruptEntryError as exc:  # foreign data under the run: rdzv reset deletes it
+                self._log(logging.WARNING, "run closed; its keys were not all given a TTL: %s", exc)
+                return
+            self._log(logging.INFO, "run closed: its %d keys expire in %g s", count, ttl)
+        else:
+            self._log(logging.INFO, "run closed (kept until deleted: closed_run_ttl none)")
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a round with this node in it (after ``EtcdRendezvous.num_nodes_waiting``).
