@@ -18,12 +18,13 @@ import os
 import shutil
 import socket
 import ssl
+import subprocess
 import time
 from typing import Sequence
 
 from .servers import LOOPBACK, Placement, ServerProcess
 
-__all__ = ["RedisServer", "RedisTLSServer"]
+__all__ = ["RedisServer", "RedisTLSServer", "RedisCluster"]
 
 
 class RedisServer(ServerProcess):
@@ -145,3 +146,71 @@ class RedisTLSServer(RedisServer):
         """A ``rediss://`` URL with ``cacert`` set to this server's CA (plus ``query``)."""
         tail = "&".join(f"{k}={v}" for k, v in {"cacert": self.ca_path, **query}.items())
         return f"rediss://{self.address}/{run_id}?{tail}"
+
+
+class RedisCluster:
+    """A Redis Cluster of ``masters`` masters (no replicas) on loopback: one :class:`RedisServer` each with
+    ``--cluster-enabled yes``, joined by ``redis-cli --cluster create``.
+
+    Args:
+        masters: how many masters (>= 3, what ``redis-cli --cluster create`` accepts).
+
+    Attributes:
+        nodes: the servers (:class:`RedisServer`), each with its own port and data directory.
+
+    Raises (from :meth:`start`):
+        RuntimeError: a server did not start, ``redis-cli --cluster create`` failed, or the cluster
+            did not report ``cluster_state:ok`` within ``start_timeout`` seconds.
+        FileNotFoundError: no ``redis-server`` or ``redis-cli`` on ``PATH``.
+    """
+
+    start_timeout = 30.0
+
+    def __init__(self, masters: int = 3) -> None:
+        self.nodes = [RedisServer(appendonly=False, extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
+                                                                "nodes.conf", "--cluster-node-timeout", "5000"))
+                      for _ in range(masters)]
+
+    def start(self) -> None:
+        """Start every node, create the cluster, and wait until every node says ``cluster_state:ok``."""
+        for node in self.nodes:
+            node.start()
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli")
+        created = subprocess.run([cli, "--cluster", "create", *(n.address for n in self.nodes),
+                                  "--cluster-replicas", "0", "--cluster-yes"],
+                                 capture_output=True, timeout=self.start_timeout, stdin=subprocess.DEVNULL)
+        if created.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed ({created.returncode}): "
+                               f"{created.stdout.decode(errors='replace')[-2000:]}"
+                               f"{created.stderr.decode(errors='replace')[-2000:]}")
+        deadline = time.monotonic() + self.start_timeout
+        while not all(self._state_ok(n) for n in self.nodes):
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"the cluster of {[n.address for n in self.nodes]} did not reach cluster_state:ok")
+            time.sleep(0.05)
+
+    @staticmethod
+    def _state_ok(node: RedisServer) -> bool:
+        try:
+            with node.connect() as sock:
+                sock.sendall(b"CLUSTER INFO\r\n")
+                reply = b""
+                while b"cluster_state:" not in reply or not reply.endswith(b"\r\n"):
+                    chunk = sock.recv(4096)
+                    if not chunk:
+                        break
+                    reply += chunk
+                return b"cluster_state:ok" in reply
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop every node and remove its data directory."""
+        for node in self.nodes:
+            node.stop()
+
+    def url(self, run_id: str = "", **query: str) -> str:
+        """A ``redis://`` URL for the first node."""
+        return self.nodes[0].url(run_id, **query)

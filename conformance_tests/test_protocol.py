@@ -397,6 +397,39 @@ def test_refresh_keeps_value_and_extends_life(
     assert kv.get(key) is not None and kv.get(key).value == b"payload", "refresh must extend the key's life"
 
 
+def test_expire_tree_gives_every_key_under_the_prefix_a_ttl(
+    kv_factory: Callable[[], KVBackend], key_prefix: str, capabilities: Any
+) -> None:
+    kv, watcher = kv_factory(), kv_factory()
+    tree, ttl = key_prefix + "run/", 1.5
+    kv.put(tree + "a", b"1")
+    kv.put(tree + "d/b", b"2", ttl=600)
+    kv.add(tree + "n", 3)
+    kv.take_ticket(tree + "t")
+    kv.take_ticket(tree + "t")
+    outside = kv.put(key_prefix + "runner", b"x")
+    after = head(kv, key_prefix)
+    started = time.monotonic()
+    assert kv.expire_tree(tree, ttl) >= 3, "expire_tree counts the keys it gave the TTL"
+    values = {e.key: e.value for e in kv.list(tree)[0]}
+    if time.monotonic() - started < ttl - 0.2:  # still within the TTL: values unchanged, nothing deleted yet
+        assert (values[tree + "a"], values[tree + "d/b"], values[tree + "n"]) == (b"1", b"2", b"3")
+    assert wait_deleted(watcher, tree + "a", after, ttl_deadline(capabilities, ttl) + PATIENCE) is not None, (
+        "the expiry of a key given a TTL by expire_tree never reached watch as a DELETE")
+    deadline = time.monotonic() + ttl_deadline(capabilities, ttl) + 1.0 + PATIENCE  # etcd v2: the directory 1 s later
+    while (kv.list(tree)[0] or kv.tickets(tree + "t")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert kv.list(tree)[0] == [] and kv.tickets(tree + "t") == 0, "every key under the prefix must expire"
+    assert time.monotonic() - started >= ttl - 0.05, "the keys expired before the TTL"
+    assert kv.get(key_prefix + "runner") == outside, "a key outside the prefix keeps its life"
+
+
+def test_expire_tree_takes_a_ttl(kv: KVBackend, key_prefix: str) -> None:
+    for bad in (0, -1.0, None, float("nan")):
+        with raises(InvalidArgumentError, "expire_tree without a positive TTL must raise InvalidArgumentError"):
+            kv.expire_tree(key_prefix, bad)  # type: ignore[arg-type]
+
+
 def test_refresh_absent_key(kv: KVBackend, key_prefix: str) -> None:
     with raises(KeyNotFound, "refresh of an absent key must raise KeyNotFound"):
         kv.refresh(key_prefix + "never", 1.0)

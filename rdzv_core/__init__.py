@@ -37,6 +37,7 @@ from .errors import (
     RendezvousStateError,
     RendezvousTimeoutError,
     UnknownBackendError,
+    UnsuitableServerError,
     ValueTooLargeError,
 )
 from .kv import Capabilities, Entry, Event, EventType, KVBackend, escape_segment, unescape_segment
@@ -94,6 +95,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidURLError",
     "UnknownBackendError",
+    "UnsuitableServerError",
     "PluginError",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",

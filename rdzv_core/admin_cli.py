@@ -9,6 +9,7 @@
     rdzv close URL [--yes]            close the run (no new rounds)
     rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
     rdzv check URL [--json]           connect, run a short protocol self-test, report latency
+    rdzv runs URL [--json]            every run under the URL's prefix: state, members, age
 
 Exit codes (:data:`EXIT_CODES`), the same for every command, so that a monitoring
 probe can use ``rdzv status``: 0 healthy / done; 1 unhealthy or not done (status:
@@ -28,10 +29,10 @@ import shutil
 import signal
 import sys
 import time
-import uuid
 from typing import Any, Sequence
 
-from . import RendezvousParams, list_backends, parse_backend_url, progress, progress_view
+from . import RendezvousParams, list_backends, parse_backend_url, progress, progress_view, runs_view
+from .self_check import cmd_check
 from .errors import (
     BackendUnavailableError,
     ConfigError,
@@ -40,7 +41,7 @@ from .errors import (
     RdzvError,
     RendezvousStateError,
 )
-from .kv import KVBackend, join_key, parse_counter
+from .kv import KVBackend, parse_counter
 from .rendezvous import Rendezvous, Status
 
 __all__ = ["main", "EXIT_CODES", "VERDICT_EXIT"]
@@ -344,51 +345,14 @@ def _delete_tree(kv: KVBackend, prefix: str) -> int:
         return deleted + len(entries)
 
 
-def cmd_check(args: argparse.Namespace) -> int:
+def cmd_runs(args: argparse.Namespace) -> int:
+    """Every run under the URL's prefix (:mod:`rdzv_core.runs_view`); ``--json``: as a list of objects."""
     info, parsed = parse_backend_url(args.url, require_run_id=False)
-    report: dict[str, Any] = {"scheme": parsed.scheme, "capabilities": info.spec.capabilities.as_dict()}
-    t0 = time.monotonic()
-    kv = info.spec.open(parsed)
-    report["connect_ms"] = round((time.monotonic() - t0) * 1000, 2)
-    prefix = join_key("rdzv-check", uuid.uuid4().hex) + "/"
-    checks: dict[str, bool] = {}
-    lat: list[float] = []
-    with kv:
-        try:
-            for i in range(5):
-                s = time.monotonic()
-                e = kv.put(prefix + "k", str(i).encode())
-                lat.append(time.monotonic() - s)
-            got = kv.get(prefix + "k")
-            checks["put/get"] = got is not None and got.value == b"4"
-            cas = kv.compare_and_swap(prefix + "k", b"x", e.revision)
-            checks["compare_and_swap"] = cas.revision > e.revision
-            checks["add"] = kv.add(prefix + "n", 2) == 2 and kv.add(prefix + "n", 3) == 5
-            checks["watch"] = bool(kv.watch(prefix, e.revision, 2.0))
-            kv.put(prefix + "t", b"", ttl=0.5)
-            checks["ttl"] = bool(_wait_gone(kv, prefix + "t", 0.5 + 2 * info.spec.capabilities.ttl_resolution + 2))
-        finally:
-            for entry in kv.list(prefix)[0]:
-                kv.delete(entry.key)
-    report["checks"] = checks
-    report["put_latency_ms_median"] = round(sorted(lat)[len(lat) // 2] * 1000, 2)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"{parsed.scheme}: connected in {report['connect_ms']} ms; "
-              f"put median {report['put_latency_ms_median']} ms")
-        for name, ok in checks.items():
-            print(f"  {'ok  ' if ok else 'FAIL'} {name}")
-    return 0 if all(checks.values()) else 1
-
-
-def _wait_gone(kv: KVBackend, key: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if kv.get(key) is None:
-            return True
-        time.sleep(0.05)
-    return False
+    params = RendezvousParams.from_query(parsed.params)
+    with info.spec.open(parsed) as kv:
+        rows = runs_view.list_runs(kv, params)
+    print(json.dumps(rows, indent=2) if args.json else "\n".join(runs_view.render(rows)))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,7 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="list installed backends")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_backends)
-    commands = (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend"))
+    commands = (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend"),
+                ("runs", cmd_runs, "list the runs under a prefix"))
     for name, fn, helptext in commands:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")

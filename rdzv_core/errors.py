@@ -18,7 +18,8 @@
     │   ├── InvalidArgumentError         a bad argument of a call (TTL, timeout, delta, revision, value)
     │   │   └── InvalidKeyError          a key or prefix outside the key grammar
     │   ├── InvalidURLError              a rendezvous URL or one of its query values
-    │   └── UnknownBackendError          no installed backend claims the URL's scheme
+    │   ├── UnknownBackendError          no installed backend claims the URL's scheme
+    │   └── UnsuitableServerError        the server is set up so the backend cannot be used safely
     ├── PluginError                      two distributions claim one scheme
     ├── RendezvousClosedError            the run was closed (``set_closed``)
     │   └── RendezvousGracefulExitError  ... while this node waited as a spare (exit successfully)
@@ -58,6 +59,7 @@ __all__ = [
     "InvalidKeyError",
     "InvalidURLError",
     "UnknownBackendError",
+    "UnsuitableServerError",
     "PluginError",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",
@@ -230,6 +232,23 @@ class UnknownBackendError(ConfigError):
     The message lists the known schemes and, where one is known, the extra or
     package that would add the requested scheme.
     """
+
+
+class UnsuitableServerError(ConfigError):
+    """The backend's server is set up in a way that would break the rendezvous (refused when it is opened).
+
+    The message is the backend's one line: the server, the setting and its value, why it breaks the
+    rendezvous and what to do instead (a server setting, another backend, or the query key that accepts it).
+
+    Attributes:
+        field: the server's setting (str, e.g. a configuration directive's name).
+        value: that setting's value on the server.
+        reason: the whole message (str).
+    """
+
+    def __init__(self, field: str, value: Any, message: str) -> None:
+        self.field, self.value, self.reason = field, value, message
+        RdzvError.__init__(self, message)
 
 
 class PluginError(RdzvError):

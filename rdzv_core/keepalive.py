@@ -24,7 +24,7 @@ from typing import Callable
 from . import observe
 from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
-from .outage import OutageLog
+from .outage import OutageLog, Responsiveness
 
 __all__ = ["KeepAlive", "REFRESH_WORKERS", "STOP_WAIT"]
 
@@ -68,6 +68,9 @@ class KeepAlive:
     Attributes:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
         recreated: how many times the key was written again after it lapsed (int).
+        responsiveness: :class:`~rdzv_core.outage.Responsiveness` of the refreshes: since when they
+            answered on time (a refresh slower than ``ttl / 6``, a failure, a lapse or a refresh
+            started more than ``ttl / 2`` after the previous one restarts it).
 
     Raises:
         ConfigError: ``ttl`` is not a positive number.
@@ -87,6 +90,7 @@ class KeepAlive:
         self.lapsed = threading.Event()
         self.recreated = 0
         self._outage = OutageLog(log.log)  # one WARNING per streak of failed refreshes
+        self.responsiveness = Responsiveness(slow=self.interval / 2, max_gap=1.5 * self.interval)
         self._lock = threading.Lock()
         self._stopped = False  # stop() was called
         self._ended = False  # no more refreshes: stopped, backend closed, or lapsed without a value
@@ -156,11 +160,13 @@ class KeepAlive:
         started = time.monotonic()
         try:
             self.kv.refresh(self.key, self.ttl)
-            observe.keepalive_refresh(time.monotonic() - started)
+            self.responsiveness.record(started, ended := time.monotonic(), ok=True)
+            observe.keepalive_refresh(ended - started)
             self._outage.recovered("keep-alive refresh of %s works again", self.key)
             self._notify(None)
             return self.interval
         except KeyNotFoundError:
+            self.responsiveness.record(started, time.monotonic(), ok=False)  # lost while we looked away
             observe.keepalive_lapse()
             self.lapsed.set()
             self._call(self.on_lapse, "on_lapse")
@@ -172,7 +178,8 @@ class KeepAlive:
         except BackendClosedError:
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
-            observe.keepalive_refresh(time.monotonic() - started, exc)
+            self.responsiveness.record(started, ended := time.monotonic(), ok=False)
+            observe.keepalive_refresh(ended - started, exc)
             wait = random.uniform(0.25, 0.5) * self.interval
             # a server down for a minute is one WARNING line, not hundreds
             self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
@@ -202,6 +209,7 @@ class KeepAlive:
         except BackendClosedError:
             return None
         except Exception as exc:  # as for a failed refresh: retry soon, never end silently
+            self.responsiveness.broken()
             wait = random.uniform(0.25, 0.5) * self.interval
             log.warning("keep-alive key %s could not be written again (retrying in %.2f s): %s", self.key, wait, exc)
             return wait

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
 from .deadlines import check_timeout as _check_timeout
-from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, ValueTooLarge
+from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, KeyNotFound, ValueTooLarge
 from .keys import check_key, check_prefix, escape_segment, join_key, unescape_segment  # re-exported
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
@@ -197,6 +197,10 @@ class KVBackend(abc.ABC):
         multi_host=False, server_side_ttl=False, native_watch=False, persistent=False
     )
 
+    #: What the backend found about its server at open that it accepted with a warning (one line each,
+    #: also logged at WARNING): e.g. a setting the URL explicitly allowed. ``rdzv check`` shows them.
+    server_warnings: tuple[str, ...] = ()
+
     _closed: bool = False
 
     # -- public API (validation lives here, once for every backend) -------------
@@ -264,6 +268,30 @@ class KVBackend(abc.ABC):
         if checked is None:
             raise InvalidArgumentError("ttl", ttl, "refresh needs a TTL")
         self._do_refresh(check_key(key), checked)
+
+    def expire_tree(self, prefix: str, ttl: float) -> int:
+        """Give every key under ``prefix`` a TTL of ``ttl`` seconds from now, as :meth:`refresh` does
+        (values unchanged, no watch event; each key's expiry is a ``DELETE`` event), so the whole
+        tree goes. A key written under ``prefix`` afterwards keeps the TTL it is written with; a
+        backend that keeps directories (etcd v2) also expires the prefix's directory, shortly after
+        its keys, and with it any key written there since.
+
+        Args:
+            prefix: ``""`` or a key followed by ``/``.
+            ttl: seconds (float > 0).
+
+        Returns:
+            how many keys were given the TTL (keys that went meanwhile are skipped).
+
+        Raises:
+            InvalidArgumentError: a bad TTL; InvalidKeyError: a bad prefix.
+            CorruptEntry: as :meth:`list`.
+        """
+        self._check_open()
+        checked = _check_ttl(ttl)
+        if checked is None:
+            raise InvalidArgumentError("ttl", ttl, "expire_tree needs a TTL")
+        return self._do_expire_tree(check_prefix(prefix), checked)
 
     def add(self, key: str, delta: int) -> int:
         """Atomically add ``delta`` to the decimal integer at ``key``; return the sum.
@@ -392,6 +420,18 @@ class KVBackend(abc.ABC):
 
     @abc.abstractmethod
     def _do_close(self) -> None: ...
+
+    def _do_expire_tree(self, prefix: str, ttl: float) -> int:
+        """Default: ``refresh`` each key ``list`` finds (one request each). Skipped, not counted: a key gone
+        meanwhile, and one ``refresh`` finds to be no key of this protocol's (``CorruptEntry``: ``delete`` it)."""
+        count = 0
+        for entry in self._do_list(prefix)[0]:
+            try:
+                self._do_refresh(entry.key, ttl)
+            except (KeyNotFound, CorruptEntry):
+                continue
+            count += 1
+        return count
 
     def _do_take_ticket(self, key: str) -> int:
         """Default: ``add(key, 1)``; a backend without an atomic add overrides it (and ``_do_tickets``)."""

@@ -62,6 +62,9 @@ class MeteredKV(KVBackend):
     def _do_refresh(self, key: str, ttl: float) -> None:
         self._timed("refresh", self.inner.refresh, key, ttl)
 
+    def _do_expire_tree(self, prefix: str, ttl: float) -> int:
+        return self._timed("expire_tree", self.inner.expire_tree, prefix, ttl)
+
     def _do_add(self, key: str, delta: int) -> int:
         return self._timed("add", self.inner.add, key, delta)
 

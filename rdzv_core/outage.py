@@ -4,15 +4,18 @@ A backend that is down for a minute makes a keep-alive, the agent's
 waiting-node check and the rendezvous retry loop fail several times a second
 each; a line per attempt buries everything else. :class:`OutageLog` logs the
 first failure of a streak at WARNING, the rest at DEBUG, and the first success
-after a streak once at INFO with the number of failures.
+after a streak once at INFO with the number of failures. :class:`Responsiveness`
+tells since when a client has seen the backend answer without a break.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from typing import Any, Callable
 
-__all__ = ["OutageLog"]
+__all__ = ["OutageLog", "Responsiveness"]
 
 
 class OutageLog:
@@ -43,3 +46,47 @@ class OutageLog:
         if self.failures:
             self._emit(logging.INFO, msg + " after %d failed attempt(s)", *args, self.failures)
             self.failures = 0
+
+
+class Responsiveness:
+    """Since when one client has seen the backend answer promptly, without a break.
+
+    Fed with the client's regular calls (:meth:`record`): a call that failed, took longer than
+    ``slow`` seconds, or started more than ``max_gap`` seconds after the previous one ended (the
+    client, or its process, was held up) restarts the period at the call's end. The rendezvous
+    judges a missing keep-alive key a real loss only once the period spans a whole keep-alive TTL
+    (``docs/design.md``, "The backend away"): a key that vanished while the backend was away from
+    everybody gets the same TTL to be written again that a member always has.
+
+    Args:
+        slow: seconds after which a call counts as a stall (> 0).
+        max_gap: seconds between two calls beyond which the client counts as held up (> 0).
+        since: ``time.monotonic()`` at which the period starts (default: now).
+
+    Thread-safe.
+    """
+
+    def __init__(self, slow: float, max_gap: float, since: float | None = None) -> None:
+        self.slow, self.max_gap = slow, max_gap
+        self._since = time.monotonic() if since is None else since
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def record(self, started: float, ended: float, ok: bool) -> None:
+        """One call from ``started`` to ``ended`` (``time.monotonic()`` seconds); ``ok``: it answered."""
+        with self._lock:
+            held_up = self._last is not None and started - self._last > self.max_gap
+            if not ok or ended - started > self.slow or held_up:
+                self._since = max(self._since, ended)
+            self._last = max(self._last or ended, ended)
+
+    def broken(self, at: float | None = None) -> None:
+        """The backend failed to answer at ``at`` (default: now): the period restarts then."""
+        with self._lock:
+            self._since = max(self._since, time.monotonic() if at is None else at)
+
+    @property
+    def since(self) -> float:
+        """``time.monotonic()`` since which every call answered promptly."""
+        with self._lock:
+            return self._since

@@ -4,10 +4,13 @@ Every member of a final round subscribes (:func:`subscribe`); the first subscrib
 this process starts a daemon thread that watches the round's keep-alive keys
 (``ROOT/v_V.ID/alive/``) through a subscriber's client. On a ``DELETE`` event (a delete or an
 expiry) it lists them; if a rank in ``0 .. world-1`` has no key and the run is not closed, it
-destroys the round (compare-and-delete of the final record at its final revision) and ends. It
-goes on with another subscriber's client if one is closed, retries backend errors with a jittered
-backoff (one WARNING per outage) and ends when the last subscriber unsubscribes. Why members watch
-their own round: ``docs/design.md`` ("Membership rules").
+destroys the round (compare-and-delete of the final record) and ends -- once the backend has
+answered this process without a break for a whole ``keep_alive_ttl`` (the subscribers'
+keep-alives tell since when): a key that vanished while the backend was away from everybody is
+written again by its live member within that time, and the round stands. It goes on with another
+subscriber's client if one is closed, retries backend errors with a jittered backoff (one WARNING
+per outage) and ends when the last subscriber unsubscribes. Why members watch their own round, and
+why they wait out an outage: ``docs/design.md`` ("Membership rules", "The backend away").
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import logging
 import os
 import random
 import threading
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import (
     BackendClosedError,
@@ -26,7 +31,7 @@ from .errors import (
 )
 from .kv import EventType, KVBackend
 from .outage import OutageLog
-from .rendezvous.record import RunKeys, missing_ranks
+from .rendezvous.record import RoundRecord, RunKeys, Status, missing_ranks
 from .rendezvous.state_io import delete_round_record
 
 __all__ = ["WatchedRound", "destroy", "subscribe", "unsubscribe", "watched_rounds", "THREAD_PREFIX"]
@@ -40,17 +45,28 @@ THREAD_PREFIX = "rdzv-keepalive-roundwatch"
 WATCH_SLICE = 5.0
 
 
+#: A subscriber's evidence: ``time.monotonic()`` since which its client saw the backend answer without a break.
+Since = Callable[[], float]
+
+
 @dataclass(frozen=True)
 class WatchedRound:
     """A final round to watch: its run's keys, version, random id (``""`` for a record without one),
-    ``world`` (ranks ``0 .. world-1`` each have a key) and ``final_revision`` (the revision of the final
-    record: the compare-and-delete's expected revision)."""
+    ``world`` (ranks ``0 .. world-1`` each have a key), ``ttl`` (the keep-alive TTL, seconds: how long the
+    backend must have answered without a break before a missing key counts as lost) and ``ranks`` (the
+    final record's rank policy, ``None`` for join order)."""
 
     keys: RunKeys
     version: int
     rid: str
     world: int
-    final_revision: int
+    ttl: float
+    ranks: str | None = None
+
+    @property
+    def record(self) -> RoundRecord:
+        """The round's final record, as written when it became final."""
+        return RoundRecord(Status.FINAL, self.version, self.rid or None, participants=self.world, ranks=self.ranks)
 
     @property
     def run_id(self) -> str:
@@ -68,11 +84,13 @@ class WatchedRound:
 
 
 class _RoundWatch:
-    """One round's watch thread and its subscribers (member id -> backend client)."""
+    """One round's watch thread and its subscribers (member id -> backend client, evidence)."""
 
     def __init__(self, watched: WatchedRound) -> None:
         self.watched = watched
-        self.subscribers: dict[object, KVBackend] = {}
+        self.subscribers: dict[object, tuple[KVBackend, Since | None]] = {}
+        self.broken_at = -float("inf")  # when this watch last failed to reach the backend (monotonic)
+        self.judge_at: float | None = None  # a rank is missing: look again then (monotonic)
         self.dead: list[KVBackend] = []  # clients found closed
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -82,10 +100,17 @@ class _RoundWatch:
     # -- on the watch thread ------------------------------------------------------------------
     def _client(self) -> KVBackend | None:
         with self.lock:
-            for kv in self.subscribers.values():
+            for kv, _ in self.subscribers.values():
                 if not any(kv is d for d in self.dead):
                     return kv
         return None
+
+    def _answering_since(self) -> float:
+        """Since when (monotonic) the backend answered this process without a break: the subscribers' best
+        evidence, unless this watch itself failed later. A subscriber without evidence vouches always."""
+        with self.lock:
+            evidence = [since() if since is not None else -float("inf") for _, since in self.subscribers.values()]
+        return max(self.broken_at, min(evidence, default=-float("inf")))
 
     def _run(self) -> None:
         outage = OutageLog(log.log)
@@ -100,14 +125,18 @@ class _RoundWatch:
                     revision = self._check(kv)
                     if revision is None:
                         return  # the round is gone (destroyed here, or already) or the run closed
-                events = kv.watch(self.watched.alive_prefix, revision, WATCH_SLICE)
+                wait = WATCH_SLICE if self.judge_at is None else max(0.0, min(WATCH_SLICE,
+                                                                               self.judge_at - time.monotonic()))
+                events = kv.watch(self.watched.alive_prefix, revision, wait)
                 outage.recovered("round watch of run %s version %d works again", self.watched.run_id,
                                  self.watched.version)
                 delay = 0.05
                 if events:
                     revision = max(revision, max(e.revision for e in events))
-                    if any(e.type is EventType.DELETE for e in events):
-                        revision = None  # a key went away: look again
+                    if self.judge_at is not None or any(e.type is EventType.DELETE for e in events):
+                        revision = None  # a key went away (or one missing came back): look again
+                elif self.judge_at is not None and time.monotonic() >= self.judge_at:
+                    revision = None  # a rank was missing: judge it now
             except HistoryCompactedError:
                 revision = None
             except BackendClosedError:
@@ -115,6 +144,7 @@ class _RoundWatch:
                     self.dead.append(kv)  # that subscriber's client is gone: go on with another one's
                 revision = None
             except BackendUnavailableError as exc:
+                self.broken_at = time.monotonic()
                 outage.failed("round watch of run %s version %d: backend unavailable, retrying: %s",
                               self.watched.run_id, self.watched.version, exc)
                 revision = None
@@ -127,30 +157,52 @@ class _RoundWatch:
                 self.stopped.wait(1.0)
 
     def _check(self, kv: KVBackend) -> int | None:
-        """List the keep-alive keys; destroy the round if a rank has none. The revision to watch from,
-        or ``None`` when the watch should end (round destroyed, record changed, run closed)."""
+        """List the keep-alive keys; destroy the round if a rank has none and the backend answered this
+        process without a break for ``ttl`` seconds (else look again when it has). The revision to watch
+        from, or ``None`` when the watch should end (round destroyed, record changed, run closed)."""
         k = self.watched
+        started = time.monotonic()
         entries, revision = kv.list(k.alive_prefix)
+        now = time.monotonic()
+        if now - started > k.ttl / 6:  # a stalled answer is no evidence that the backend was there
+            self.broken_at = now
         missing = missing_ranks(entries, k.world)
         if not missing:
+            self.judge_at = None
             return revision
         if self.stopped.is_set():
             # The last subscriber left; its member deletes its key after unsubscribing, so a key seen
             # missing now may be that member's own: not a lapse for this watch to act on.
             return None
+        answering = self._answering_since()
+        if now - answering < k.ttl:  # the backend was away: a live member writes its key again meanwhile
+            if self.judge_at is None:
+                log.info("run=%s version=%d: keep-alive of rank(s) %s missing %.1f s after the backend answered "
+                         "again; waiting until it answered for %.1f s", k.run_id, k.version, missing,
+                         now - answering, k.ttl)
+            self.judge_at = answering + k.ttl
+            return revision
         destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted")
         return None
 
 
 def destroy(kv: KVBackend, watched: WatchedRound, reason: str) -> bool:
-    """Destroy the final round ``watched`` (compare-and-delete of its record at its final revision) unless
+    """Destroy the final round ``watched`` (compare-and-delete of its record at the revision read) unless
     the run is closed (the job ended: nothing to re-form); ``reason`` is logged. Whether this call destroyed it
     (``False``: closed, or destroyed or replaced by someone else first).
 
     Raises:
         BackendUnavailableError, BackendClosedError: from ``kv``.
+        RendezvousStateError: the round record is corrupt.
     """
-    if kv.get(watched.keys.closed) is not None or not delete_round_record(kv, watched.keys, watched.final_revision):
+    if kv.get(watched.keys.closed) is not None:
+        return False
+    entry = kv.get(watched.keys.round_record)
+    if entry is None:
+        return False
+    record = RoundRecord.decode(entry)
+    if record.status is not Status.FINAL or not record.is_round(watched.version, watched.rid or None) or \
+            not delete_round_record(kv, watched.keys, entry.revision):
         return False
     log.info("run=%s version=%d: destroyed the round: %s", watched.run_id, watched.version, reason)
     return True
@@ -160,9 +212,12 @@ _lock = threading.Lock()
 _watches: dict[tuple[str, int, str], _RoundWatch] = {}
 
 
-def subscribe(member: object, kv: KVBackend, watched: WatchedRound) -> None:
+def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since | None = None) -> None:
     """Add ``member`` (any hashable id) with its client ``kv`` to the watch of round ``watched``;
-    the first subscriber of a round in this process starts the watch."""
+    the first subscriber of a round in this process starts the watch. ``since``: the member's evidence
+    (``time.monotonic()`` since which its client saw the backend answer without a break, e.g. its
+    keep-alive's :attr:`~rdzv_core.keepalive.KeepAlive.responsiveness`); without it, a missing key
+    is acted on at once."""
     with _lock:
         watch = _watches.get(watched.ident)
         if watch is None:
@@ -171,7 +226,7 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound) -> None:
         else:
             start = False
         with watch.lock:
-            watch.subscribers[member] = kv
+            watch.subscribers[member] = (kv, since)
     if start:
         watch.thread.start()
 

@@ -113,6 +113,16 @@ def to_bool(field_name: str, raw: str) -> bool:
     raise InvalidURLError(field_name, raw, "must be one of 1/0, true/false, yes/no, on/off")
 
 
+def _seconds_or_forever(field_name: str, raw: str) -> float | None:
+    """Seconds as :func:`to_positive_float`, or ``None`` (no limit) for ``0`` or ``none``."""
+    if raw.lower() == "none" or (_FLOAT_TEXT.fullmatch(raw) and float(raw) == 0):
+        return None
+    try:
+        return to_positive_float(field_name, raw)
+    except InvalidURLError as exc:
+        raise InvalidURLError(field_name, raw, f"{exc.reason}, or 0 / none for no limit") from None
+
+
 def _prefix(field_name: str, raw: str) -> str:
     stripped = raw.strip("/")
     parts = stripped.split("/") if stripped else []
@@ -167,6 +177,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "timeout": to_positive_float,
     "last_call_timeout": to_positive_float,
     "keep_alive_ttl": to_positive_float,
+    "closed_run_ttl": _seconds_or_forever,
     "prefix": _prefix,
     "operation_timeout": to_positive_float,
     "rank_policy": _rank_policy,

@@ -255,3 +255,27 @@ def test_the_former_module_name_is_the_same_module() -> None:
     out = subprocess.run([sys.executable, "-m", "rdzv_core.cli", "backends", "--json"], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and "memory" in json.loads(out.stdout), out.stderr
+
+
+def test_runs_lists_open_and_closed_runs_with_age(tmp_path) -> None:
+    base = f"file://{tmp_path}/"
+    kv = open_backend(base)
+    member = Rendezvous(kv, "open-run", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    member.next_round()
+    closer = Rendezvous(kv, "done-run", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    closer.next_round()
+    closer.set_closed()
+    closer.leave()
+    out = _rdzv("runs", base, "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["run_id"]: r for r in json.loads(out.stdout)}
+    assert set(rows) == {"open-run", "done-run"}
+    assert (rows["open-run"]["state"], rows["open-run"]["version"], rows["open-run"]["members"]) == ("final", 1, 1)
+    assert (rows["done-run"]["state"], rows["done-run"]["version"], rows["done-run"]["members"]) == ("closed", None, 0)
+    for row in rows.values():
+        assert 0 <= row["age"] < 60
+    text = _rdzv("runs", base)
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 3  # a header and one line per run
+    assert _rdzv("runs", f"file://{tmp_path}/?prefix=elsewhere", "--json").stdout.strip() == "[]"
+    member.leave()
+    kv.close()

@@ -1125,7 +1125,7 @@ def test_no_plain_text_fallback(tls_server: RedisTLSServer, server: RedisServer)
 
 
 # -- ACL users -----------------------------------------------------------------------------------
-ACL_RULES = ("resetkeys ~rdzv:* resetchannels &rdzv:* -@all +ping +evalsha +script|load +hgetall +time +get +set "
+ACL_RULES = ("resetkeys ~rdzv:* resetchannels &rdzv:* -@all +ping +info +evalsha +script|load +hgetall +time +get +set "
              "+incrby +del +exists +type +hmget +hset +persist +pexpireat +zadd +zrem +zscore +zmscore +zcard +zrange "
              "+zrangebylex +zrangebyscore +zremrangebyscore +zcount +xadd +xrange +xrevrange +publish +subscribe "
              "+unsubscribe").split()

@@ -77,13 +77,13 @@ class _Unwatched(Rendezvous):
 
     def _watch_round(self, result) -> None:
         self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
-                                                self._final_revision)
+                                                self.params.keep_alive_ttl, self._final_ranks)
 
 
-def test_a_member_whose_own_key_lapsed_destroys_its_round() -> None:
-    """The key of a member of a final round disappears unseen (no watch runs): its keep-alive finds it gone at
-    the next refresh and destroys the round (before the fix it wrote the key again and the round went on,
-    unless a watch happened to list while the key was gone); the members re-form."""
+def test_a_member_whose_own_key_vanished_writes_it_again_and_its_round_goes_on() -> None:
+    """The key of a member of a final round disappears unseen (no watch runs) while the round record stands:
+    nobody ended the round, so its keep-alive writes the key again at the next refresh and the round goes on
+    (the same version and id, final, every key back); neither member is told to re-rendezvous."""
     kv = open_backend(f"memory://rw{uuid.uuid4().hex[:8]}/")
     params = RendezvousParams(min_nodes=2, keep_alive_ttl=0.6, last_call_timeout=0.1, timeout=20)
     members = [_Unwatched(kv, "job", params) for _ in range(2)]
@@ -93,11 +93,49 @@ def test_a_member_whose_own_key_lapsed_destroys_its_round() -> None:
         lapsed = members[0]._alive_key
         assert lapsed is not None and kv.get(lapsed) is not None
         kv.delete(lapsed)  # as an expiry while nobody could see it
+        keepalive = members[0]._keepalive
+        assert keepalive is not None
         deadline = time.monotonic() + 5 * params.keep_alive_ttl
-        while not all(m.num_nodes_waiting() >= 1 for m in members):  # the round is gone for both members
-            assert time.monotonic() < deadline, f"the round survived its member's lapse: {members[0].describe()}"
+        while keepalive.recreated < 1:
+            assert time.monotonic() < deadline, "the keep-alive never wrote the lost key again"
+            assert all(m.num_nodes_waiting() == 0 for m in members)
             time.sleep(0.02)
-        assert kv.get(members[0].keys.round_record) is None
+        assert kv.get(lapsed) is not None
+        assert all(m.num_nodes_waiting() == 0 for m in members)
+        assert members[0].describe()["status"] == "final" and members[0].describe()["version"] == results[0].version
+    finally:
+        for m in members:
+            m.leave()
+        kv.close()
+
+
+def test_a_member_restores_its_round_when_the_backend_lost_the_runs_keys() -> None:
+    """Every key of the run is gone (a server restarted empty): the members' keep-alives write their keys
+    again and the first re-establishes the final record (same version, id and members) and the version
+    counter; no member is told to re-rendezvous. Where the round was destroyed instead (the counter still
+    at its version), nobody brings it back."""
+    kv = open_backend(f"memory://rw{uuid.uuid4().hex[:8]}/")
+    params = RendezvousParams(min_nodes=2, keep_alive_ttl=0.6, last_call_timeout=0.1, timeout=20)
+    members = [_Unwatched(kv, "job", params) for _ in range(2)]
+    try:
+        results = _next_rounds(members)
+        keys = members[0].keys
+        before = kv.get(keys.round_record)
+        assert before is not None
+        for entry in kv.list(keys.tree)[0]:
+            kv.delete(entry.key)
+        assert all(m.num_nodes_waiting() == 0 for m in members)  # the waiting check itself restores it
+        after = kv.get(keys.round_record)
+        assert after is not None and after.value == before.value
+        counter = kv.get(keys.version_counter)
+        assert counter is not None and int(counter.value) == results[0].version
+        deadline = time.monotonic() + 5 * params.keep_alive_ttl
+        while len(kv.list(keys.alive_dir(results[0].version, results[0].round_id))[0]) < 2:
+            assert time.monotonic() < deadline, "the members' keys were not written again"
+            time.sleep(0.02)
+        kv.delete(keys.round_record)  # now a destroy: the counter stands at the round's version
+        assert all(m.num_nodes_waiting() >= 1 for m in members)
+        assert kv.get(keys.round_record) is None
     finally:
         for m in members:
             m.leave()

@@ -13,7 +13,15 @@ import os
 import urllib.parse
 from typing import Any
 
-from rdzv_core.errors import BackendClosed, BackendTimeout, BackendUnavailable, HistoryCompacted, KeyExists, KeyNotFound
+from rdzv_core.errors import (
+    BackendClosed,
+    BackendTimeout,
+    BackendUnavailable,
+    CorruptEntry,
+    HistoryCompacted,
+    KeyExists,
+    KeyNotFound,
+)
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
 from .._concurrency import AddCombiner, RaceRetry
@@ -303,6 +311,22 @@ class EtcdV2Backend(KVBackend):
             self._note_index(key, index)
             if not race.again(True):
                 raise race.exhausted(f"refresh({key!r})", key, self.settings.operation_timeout)
+
+    def _do_expire_tree(self, prefix: str, ttl: float) -> int:
+        """Refresh each key; a ticket, a directory of in-order keys, is deleted at once instead (its keys
+        could expire, but the directory would stay and read as corrupt: etcd 3.5's v2 API refuses a TTL on
+        a directory, "Not a file"). The directories the keys' paths made stay behind, empty, once the keys
+        expired (``rdzv reset`` removes them)."""
+        count = 0
+        for entry in self._do_list(prefix)[0]:
+            try:
+                self._do_refresh(entry.key, ttl)
+            except KeyNotFound:
+                continue
+            except CorruptEntry:  # a ticket directory
+                self._do_delete(entry.key)
+            count += 1
+        return count
 
     def _refreshable_index(self, key: str, deadline: Deadline) -> int:
         """``key``'s ``modifiedIndex`` read from etcd; raises as an unguarded refresh of it would."""

@@ -15,7 +15,7 @@ from rdzv_backends._lazy import lazy_attributes
 from rdzv_core.errors import InvalidURLError, UnknownBackendError
 from rdzv_core.kv import Capabilities
 from rdzv_core.plugins import BackendSpec, backend_plugin
-from rdzv_core.url import RendezvousURL, to_int, to_str
+from rdzv_core.url import RendezvousURL, to_bool, to_int, to_str
 
 if TYPE_CHECKING:
     from rdzv_backends.redis._config import TLSFiles, namespace_prefix
@@ -124,6 +124,7 @@ QUERY_KEYS: dict[str, Callable[[str, str], Any]] = {
     "cacert": to_str,
     "cert": to_str,
     "key": to_str,
+    "allow_eviction": to_bool,  # accept a server that evicts keys (rdzv_backends.redis._server), with a WARNING
 }
 
 

@@ -29,6 +29,7 @@ from rdzv_backends.redis import (
 from rdzv_backends.redis._config import TLSFiles, namespace_prefix, tls_files
 from rdzv_backends._tls import certificate_error, handshake, refused_certificate
 from rdzv_backends.redis._errors import TRUSTED_CA_OPTION, _copy_error, _ErrorMap, _find_cause
+from rdzv_backends.redis import _server
 from rdzv_backends.redis._listener import _Notifier, _Waiter
 from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SCRIPTS, HISTORY_LIMIT
 from rdzv_backends.redis._pool import _Pool, _stale
@@ -70,6 +71,8 @@ class RedisBackend(KVBackend):
         max_connections: pooled connections at most (int >= 1, default
             :data:`DEFAULT_MAX_CONNECTIONS`); more concurrent calls wait for one. Waiting
             watches hold none; the listener has its own.
+        allow_eviction: accept a server that evicts keys (``maxmemory`` with a policy other than
+            ``noeviction``), with a WARNING (:attr:`server_warnings`); default ``False``: refused.
 
     Raises:
         BackendConnectionError: the server refused or dropped the connection (``open`` pings).
@@ -77,6 +80,8 @@ class RedisBackend(KVBackend):
         InvalidURLError: the server rejected the password (``password``) or the database
             number (``db``), or its TLS certificate did not verify (``cacert``) or was issued
             for another name (``host``).
+        UnsuitableServerError: the server runs in cluster mode, or evicts keys and ``allow_eviction``
+            is not set (:mod:`rdzv_backends.redis._server`).
     """
 
     capabilities = CAPABILITIES
@@ -93,6 +98,7 @@ class RedisBackend(KVBackend):
         operation_timeout: float = DEFAULT_OPERATION_TIMEOUT,
         tls: TLSFiles | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        allow_eviction: bool = False,
     ) -> None:
         connection_class, address, where = self._connection_target(host, port, tls)
         self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace),
@@ -103,6 +109,7 @@ class RedisBackend(KVBackend):
         self.operation_timeout = operation_timeout
         self.tls = tls
         self.max_connections = max_connections
+        self.allow_eviction = allow_eviction
         ns = namespace_prefix(namespace)
         self.prefix = ns
         self._data = ns + "k/"
@@ -131,6 +138,7 @@ class RedisBackend(KVBackend):
             self._errmap, self._index_keys, repr(self), self._connection_args)
         try:
             self._ping_at_open()
+            self._check_server()
         except BaseException:
             self._notifier.release(self)
             self._pool.close()
@@ -160,6 +168,21 @@ class RedisBackend(KVBackend):
                     or "closed by server" in str(exc.__cause__)):
                 raise BackendConnectionError(f"{exc}; the server may require TLS: use rediss://") from exc.__cause__
             raise
+
+    def _check_server(self) -> None:
+        """Refuse a server in cluster mode or one that evicts keys (:func:`_server.check_server`), from one
+        ``INFO``; a user the ACL denies ``INFO`` is not refused: a WARNING says the server went unchecked."""
+        where = f"{self.host}:{self.port}"
+        with self._translate(None):
+            try:
+                info = _server.parse_info(cast(bytes, self._call("INFO")))
+            except redis.exceptions.NoPermissionError:
+                warning = (f"Redis at {where}: cannot check for eviction and cluster mode, the ACL user may not run "
+                           f"INFO (add +info to its rules)")
+                log.warning("%s", warning)
+                self.server_warnings = (warning,)
+                return
+        self.server_warnings = _server.check_server(info, where, self.allow_eviction)
 
     def _check_certificate(self, seconds: float) -> None:
         """One TLS handshake and ``PING`` (Python's ``ssl``, at most ``seconds``): raises the
@@ -453,4 +476,5 @@ def open_url(url: RendezvousURL, tls: TLSFiles | None = _FROM_URL) -> RedisBacke
         operation_timeout=params.get("operation_timeout", DEFAULT_OPERATION_TIMEOUT),
         tls=tls,
         max_connections=params.get("max_connections", DEFAULT_MAX_CONNECTIONS),
+        allow_eviction=params.get("allow_eviction", False),
     )

@@ -35,7 +35,8 @@ from ..errors import (
 )
 from ..keepalive import KeepAlive
 from ..kv import Entry, KVBackend, wait_for_change
-from .state_io import RoundIO
+from ..outage import Responsiveness
+from .state_io import RoundIO, restore_round
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
@@ -88,7 +89,9 @@ class RoundMachine(RoundIO):
         # After waiting as a late node: (incumbents, monotonic deadline): see _defer_to_incumbents.
         self._defer: tuple[int, float] | None = None
         self._previous: int | None = None  # version of the round this node was a member of before next_round
-        self._final_revision = 0  # revision of the final record of the round _confirm returned
+        self._final_ranks: str | None = None  # the rank policy of the final record _confirm returned
+        # Since when this member's keep-alive saw the backend answer without a break (the round watch's evidence).
+        self._evidence: Responsiveness | None = None
         self._watched: roundwatch.WatchedRound | None = None  # the round whose lapse watch we subscribed to
         self._spare_since: float | None = None  # when this node began waiting as a spare (monotonic)
         self._announced: set[int] = set()
@@ -315,7 +318,7 @@ class RoundMachine(RoundIO):
                     record.status not in (Status.FROZEN, Status.FINAL):
                 raise Retry(f"round {version} ended before it became final")
             if record.status is Status.FINAL:
-                self._final_revision = entry.revision
+                self._final_ranks = record.ranks
                 group_rank = rank if record.ranks is None else load_rank(self.kv, self.keys, version, rid, rank, world)
                 return RoundResult(version, group_rank, world, rid or "", slot=rank)
             if self._check_frozen_stall(entry, record, repair=in_doubt):
@@ -407,10 +410,17 @@ class RoundMachine(RoundIO):
             self._spare_since = started
         logged = -float("inf")
         alive_dir = self.keys.alive_dir(version, rid)
+        ttl = self.params.keep_alive_ttl
+        # A member of that round knows it is over (it left to re-rendezvous); anyone else acts on a missing key
+        # only once the backend answered its looks for a whole TTL (docs/design.md, "The backend away").
+        member = self.last_round is not None and self.last_round[:2] == (version, rid or "")
+        answering = Responsiveness(slow=ttl / 6, max_gap=ttl / 2)
         while True:
+            looked = time.monotonic()
             alive, revision = self.kv.list(alive_dir)
+            answering.record(looked, time.monotonic(), ok=True)
             missing = missing_ranks(alive, world)
-            if missing:
+            if missing and (member or time.monotonic() - answering.since >= ttl):
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
             now = time.monotonic()
@@ -421,7 +431,7 @@ class RoundMachine(RoundIO):
             self._progress("spare" if spare else "waiting", version, world, deadline + (now - started) * spare)
             if not spare and now >= deadline:
                 break
-            next_check = now + self.params.keep_alive_ttl
+            next_check = now + (ttl / 3 if missing else ttl)
             wait_for_change(self.kv, self.keys.tree, revision, next_check if spare else min(next_check, deadline))
             entry_now = self._read_state()[0]
             if entry_now is None or entry_now.revision != entry.revision:
@@ -439,8 +449,13 @@ class RoundMachine(RoundIO):
         """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
         self._unwatch_round()
         self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
-                                                self._final_revision)
-        roundwatch.subscribe(self, self.kv, self._watched)
+                                                self.params.keep_alive_ttl, self._final_ranks)
+        roundwatch.subscribe(self, self.kv, self._watched, self._answering_since)
+
+    def _answering_since(self) -> float:
+        """Since when (monotonic) this member's keep-alive saw the backend answer without a break."""
+        evidence = self._evidence
+        return evidence.since if evidence is not None else time.monotonic()
 
     def _unwatch_round(self) -> None:
         if self._watched is not None:
@@ -449,21 +464,38 @@ class RoundMachine(RoundIO):
 
     def _start_keepalive(self, key: str, info: dict[str, Any], name: str) -> KeepAlive:
         """Keep this member's key ``key`` (value ``info``) alive; a lapse of it calls :meth:`_own_key_lapsed`."""
-        return KeepAlive(self.kv, key, self.params.keep_alive_ttl, value=encode_json(info), name=name,
-                         on_refresh=self.on_keepalive, on_lapse=lambda: self._own_key_lapsed(key))
+        keepalive = KeepAlive(self.kv, key, self.params.keep_alive_ttl, value=encode_json(info), name=name,
+                              on_refresh=self.on_keepalive, on_lapse=lambda: self._own_key_lapsed(key))
+        self._evidence = keepalive.responsiveness
+        return keepalive
 
     def _own_key_lapsed(self, key: str) -> None:
-        """This member's keep-alive ``key`` was found gone (this node, or the backend, was away longer than
-        ``keep_alive_ttl``): if it is a key of this node's final round, destroy that round, so that every
-        member re-forms whoever looks first (``docs/design.md``, "Membership rules"). On a refresh thread."""
+        """This member's keep-alive ``key`` was found gone (the backend lost it, or this node was away longer
+        than ``keep_alive_ttl``); it is written again next. If it is a key of this node's final round,
+        re-establish the round where the backend lost it (:meth:`_restore_round`); where the others ended it,
+        ``num_nodes_waiting`` tells the agent. On a refresh thread."""
         watched = self._watched
         if watched is None or not key.startswith(watched.alive_prefix):
             return  # not final yet (the key is written again and the round goes on), or another round
+        self._restore_round()
+
+    def _restore_round(self) -> bool:
+        """Re-establish this member's final round if the backend lost its record
+        (:func:`~.state_io.restore_round`): whether the round stands. Backend errors are logged, not raised."""
+        watched = self._watched
+        if watched is None:
+            return False
         try:
-            roundwatch.destroy(self.kv, watched, "this member's own keep-alive key lapsed")
-        except (BackendUnavailableError, BackendClosedError) as exc:
-            self._log(logging.WARNING, "own keep-alive key lapsed; could not destroy the round: %s", exc,
+            done = restore_round(self.kv, self.keys, watched.record)
+        except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
+            self._log(logging.WARNING, "could not check this node's round after a lapse: %s", exc,
                       version=watched.version)
+            return False
+        if done in ("restored", "repaired"):
+            self._log(logging.WARNING, "the backend lost this round's %s (restarted empty or failed over?): "
+                      "re-established it, same members and ranks", "record" if done == "restored" else
+                      "final state", version=watched.version)
+        return done is not None
 
     def _stop_keepalive(self, delete: bool, forget: bool = True) -> None:
         if self._keepalive is not None:

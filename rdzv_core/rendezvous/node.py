@@ -186,9 +186,28 @@ class Rendezvous(RoundMachine):
         return record is not None and record.status is Status.CLOSED
 
     def set_closed(self) -> None:
-        """Mark the run closed so no node starts another round: ``state/closed``, a key without TTL."""
-        self.kv.put(self.keys.closed, b"closed")
-        self._log(logging.INFO, "run closed")
+        """Mark the run closed so no node starts another round, and let the closed run expire.
+
+        The mark ``state/closed`` holds ``{"closed": UNIX_TIME}`` (JSON) and lives ``params.closed_run_ttl``
+        seconds; every other key of the run (``RunKeys.tree``: round records, tickets, keep-alive and extra
+        data, the rounds' Stores) gets the same TTL (``KVBackend.expire_tree``), so a shared server stays
+        bounded. Once the mark has expired the run is absent: a new job with the run id starts afresh.
+        ``closed_run_ttl`` ``None``: the mark and the keys are kept until deleted (``rdzv reset``).
+
+        Raises:
+            BackendUnavailableError: from the backend (the run may be marked closed or not).
+        """
+        ttl = self.params.closed_run_ttl
+        self.kv.put(self.keys.closed, encode_json({"closed": round(time.time(), 3)}), ttl=ttl)
+        if ttl is not None:
+            try:
+                count = self.kv.expire_tree(self.keys.tree, ttl)
+            except CorruptEntryError as exc:  # foreign data under the run: rdzv reset deletes it
+                self._log(logging.WARNING, "run closed; its keys were not all given a TTL: %s", exc)
+                return
+            self._log(logging.INFO, "run closed: its %d keys expire in %g s", count, ttl)
+        else:
+            self._log(logging.INFO, "run closed (kept until deleted: closed_run_ttl none)")
 
     def num_nodes_waiting(self) -> int:
         """Nodes waiting for a round with this node in it (after ``EtcdRendezvous.num_nodes_waiting``).
@@ -196,12 +215,19 @@ class Rendezvous(RoundMachine):
         The late nodes counted while the current round is final and has fewer than
         ``max_nodes`` members (beyond that they are spares: 0); when this node's round
         (``current``) is no longer the live one, the nodes that joined the round now forming
-        and at least 1; 0 once the run is closed.
+        and at least 1; 0 once the run is closed. A round whose record the backend lost
+        (restarted empty, failed over) is re-established first, and counts as live
+        (``docs/design.md``, "The backend away").
         """
         record = self._read_state()[1]
         current = self.current
         if record is not None and record.status is Status.CLOSED:
             return 0
+        if current is not None and self._watched is not None and (
+                record is None or (record.status is Status.FROZEN and record.is_round(current.version,
+                                                                                      current.round_id or None))):
+            if self._restore_round():  # the backend lost the record or its final state: not the others' doing
+                return 0
         if current is not None and (record is None or not record.is_round(current.version, current.round_id or None)):
             joined = 0
             if record is not None and record.status is Status.JOINABLE:

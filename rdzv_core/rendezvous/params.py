@@ -8,9 +8,11 @@ from typing import Any, Mapping
 from ..errors import ConfigError
 from ..url import DEFAULT_RANK_POLICY, RANK_POLICIES, parse_node_labels
 
-__all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL"]
+__all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL", "DEFAULT_CLOSED_RUN_TTL"]
 
 MIN_KEEP_ALIVE_TTL = 0.1  #: seconds
+#: Seconds a closed run's keys are kept by default: 2 h, as torchelastic's etcd rendezvous kept a run's directory.
+DEFAULT_CLOSED_RUN_TTL = 7200.0
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class RendezvousParams:
     last_call_timeout    30.0       seconds the min-th node waits for more nodes
     keep_alive_ttl       5.0        TTL (s) of keep-alive keys and of transient
                                     round records; refreshed every TTL/3
+    closed_run_ttl       7200.0     seconds every key of a closed run is kept after
+                                    the close (``None`` or 0: kept until deleted)
     prefix               torchelastic/p2p   key prefix in the backend
     rank_policy          stable     how group ranks are given: join, stable, topology
                                     (``docs/ranks.md``)
@@ -42,6 +46,7 @@ class RendezvousParams:
     timeout: float = 600.0
     last_call_timeout: float = 30.0
     keep_alive_ttl: float = 5.0
+    closed_run_ttl: float | None = DEFAULT_CLOSED_RUN_TTL
     prefix: str = "torchelastic/p2p"
     rank_policy: str = DEFAULT_RANK_POLICY
     node_rank: int | None = None
@@ -56,7 +61,7 @@ class RendezvousParams:
             ConfigError: a value is out of range (names the field and value).
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
-                  "node_rank", "node_labels")
+                  "node_rank", "node_labels", "closed_run_ttl")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -72,6 +77,12 @@ class RendezvousParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e7:
                 raise ConfigError(name, value, "must be a number of seconds > 0 and <= 1e7")
+        ttl = self.closed_run_ttl
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not 0 <= ttl <= 1e7):
+            raise ConfigError("closed_run_ttl", ttl, "must be a number of seconds >= 0 and <= 1e7, or None (0 or None: "
+                              "a closed run's keys are kept until deleted)")
+        if ttl == 0:
+            object.__setattr__(self, "closed_run_ttl", None)
         if self.keep_alive_ttl < MIN_KEEP_ALIVE_TTL:
             raise ConfigError("keep_alive_ttl", self.keep_alive_ttl,
                               f"must be >= {MIN_KEEP_ALIVE_TTL} s (it is refreshed every TTL/3 over the network)")

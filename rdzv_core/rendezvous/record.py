@@ -3,7 +3,7 @@
 Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
 
     ROOT/state/round            JSON round record (the only key compare-and-swapped)
-    ROOT/state/closed           present once the run is closed (never expires)
+    ROOT/state/closed           present once the run is closed: {"closed": UNIX_TIME}, TTL closed_run_ttl
     ROOT/counter/version        round version counter
     ROOT/v_V.ID/joined          join tickets of round V (ticket t -> slot t-1; the group rank with rank_policy=join)
     ROOT/v_V.ID/confirmed       confirmations of round V (tickets)

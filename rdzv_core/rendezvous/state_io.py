@@ -10,13 +10,13 @@ import logging
 import time
 from typing import Any, Callable
 
-from ..errors import CompareFailedError, CorruptEntryError, KeyNotFoundError, RendezvousStateError
+from ..errors import CompareFailedError, CorruptEntryError, KeyExistsError, KeyNotFoundError, RendezvousStateError
 from ..kv import Entry, KVBackend
 from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import Deadline
 
-__all__ = ["RoundIO", "delete_round_record", "log"]
+__all__ = ["RoundIO", "delete_round_record", "restore_round", "log"]
 
 #: The rendezvous' logger (one name for the whole package).
 log = logging.getLogger("rdzv_core.rendezvous")
@@ -34,6 +34,72 @@ def delete_round_record(kv: KVBackend, keys: RunKeys, revision: int) -> bool:
     except (CompareFailedError, KeyNotFoundError):
         return False
     return True
+
+
+def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord) -> str | None:
+    """Re-establish the final round ``final`` where the backend lost it, never over a decision of the others.
+
+    * The record is that final round: ``"standing"``.
+    * The record is that round, frozen with the same members: a failover lost the final compare-and-swap;
+      it is made final again: ``"repaired"``.
+    * No record, and the run's version counter is absent or behind the round's version: the backend lost
+      the run's keys (restarted empty, failed over to a replica that lost them). The record is written
+      again (create: if absent) and the counter raised to the version: ``"restored"``.
+    * Otherwise -- the run is closed, another round's record is live, or no record while the counter
+      reached the version (the round was destroyed: the others re-form) -- ``None``: the round is over.
+
+    Raises:
+        BackendUnavailableError, BackendClosedError: from ``kv``.
+        RendezvousStateError: the round record is corrupt.
+    """
+    for _ in range(8):  # each pass loses a race only to a write that settles the question
+        if kv.get(keys.closed) is not None:
+            return None
+        entry = kv.get(keys.round_record)
+        if entry is not None:
+            record = RoundRecord.decode(entry)
+            if not record.is_round(final.version, final.id):
+                return None
+            if record.status is Status.FINAL:
+                return "standing"
+            if record.status is not Status.FROZEN or record.participants != final.participants:
+                return None
+            try:
+                kv.compare_and_swap(keys.round_record, final.encode(), entry.revision)
+                return "repaired"
+            except (CompareFailedError, KeyNotFoundError):
+                continue
+        counter = kv.get(keys.version_counter)
+        try:
+            reached = counter is not None and int(counter.value) >= final.version
+        except ValueError:
+            return None  # a corrupt counter: not ours to repair (the state machine reports it)
+        if reached:
+            return None
+        try:
+            kv.create(keys.round_record, final.encode())
+        except KeyExistsError:
+            continue
+        _raise_counter(kv, keys.version_counter, final.version)
+        return "restored"
+    return None
+
+
+def _raise_counter(kv: KVBackend, key: str, version: int) -> None:
+    """Set the counter at ``key`` to at least ``version`` (never lower it; absent counts as 0). Each lost race
+    means another writer moved the counter; after 8 the counter is left to them (a new round's ``add``)."""
+    for _ in range(8):
+        entry = kv.get(key)
+        try:
+            if entry is None:
+                kv.create(key, str(version).encode())
+            elif int(entry.value) < version:
+                kv.compare_and_swap(key, str(version).encode(), entry.revision)
+            return
+        except (KeyExistsError, CompareFailedError, KeyNotFoundError):
+            continue
+        except ValueError:
+            return
 
 
 class RoundIO:
