@@ -69,8 +69,8 @@ class KeepAlive:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
         recreated: how many times the key was written again after it lapsed (int).
         responsiveness: :class:`~rdzv_core.outage.Responsiveness` of the refreshes: since when they
-            answered on time (a refresh slower than ``ttl / 6``, a failure, a lapse or a refresh
-            started more than ``ttl / 2`` after the previous one restarts it).
+            answered on time (a refresh slower than ``ttl / 6``, a failure, or a refresh started more
+            than ``ttl / 2`` after the previous one restarts it).
 
     Raises:
         ConfigError: ``ttl`` is not a positive number.
@@ -166,7 +166,7 @@ class KeepAlive:
             self._notify(None)
             return self.interval
         except KeyNotFoundError:
-            self.responsiveness.record(started, time.monotonic(), ok=False)  # lost while we looked away
+            self.responsiveness.record(started, time.monotonic(), ok=True)  # it answered: only a slow answer counts
             observe.keepalive_lapse()
             self.lapsed.set()
             self._call(self.on_lapse, "on_lapse")

@@ -69,6 +69,7 @@ class Responsiveness:
     def __init__(self, slow: float, max_gap: float, since: float | None = None) -> None:
         self.slow, self.max_gap = slow, max_gap
         self._since = time.monotonic() if since is None else since
+        self._broken = -float("inf")
         self._last: float | None = None
         self._lock = threading.Lock()
 
@@ -78,15 +79,23 @@ class Responsiveness:
             held_up = self._last is not None and started - self._last > self.max_gap
             if not ok or ended - started > self.slow or held_up:
                 self._since = max(self._since, ended)
+                self._broken = max(self._broken, ended)
             self._last = max(self._last or ended, ended)
 
     def broken(self, at: float | None = None) -> None:
         """The backend failed to answer at ``at`` (default: now): the period restarts then."""
         with self._lock:
-            self._since = max(self._since, time.monotonic() if at is None else at)
+            at = time.monotonic() if at is None else at
+            self._since, self._broken = max(self._since, at), max(self._broken, at)
 
     @property
     def since(self) -> float:
-        """``time.monotonic()`` since which every call answered promptly."""
+        """``time.monotonic()`` since which every call answered promptly (the start, if none failed yet)."""
         with self._lock:
             return self._since
+
+    @property
+    def last_break(self) -> float:
+        """``time.monotonic()`` of the last failed, stalled or held-up call (``-inf`` if none)."""
+        with self._lock:
+            return self._broken

@@ -481,10 +481,15 @@ class RoundMachine(RoundIO):
 
     def _restore_round(self) -> bool:
         """Re-establish this member's final round if the backend lost its record
-        (:func:`~.state_io.restore_round`): whether the round stands. Backend errors are logged, not raised."""
+        (:func:`~.state_io.restore_round`): whether the round stands. Only after an outage this member's
+        keep-alive saw within the last ``4/3 x keep_alive_ttl`` (a failed or stalled refresh): keys that vanish
+        while the backend answers were deleted on purpose. Backend errors are logged, not raised."""
         watched = self._watched
         if watched is None:
             return False
+        evidence = self._evidence
+        if evidence is not None and time.monotonic() - evidence.last_break > self.params.keep_alive_ttl * 4 / 3:
+            return False  # the backend answered all along: the keys were deleted on purpose (rdzv reset)
         try:
             done = restore_round(self.kv, self.keys, watched.record)
         except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
