@@ -50,7 +50,7 @@ class Job:
         self.nodes: dict[str, Launcher] = {}
         self.query = {"last_call_timeout": "1", "keep_alive_ttl": str(TTL), "timeout": "120"}
 
-    def node(self, name: str, nnodes: str, torchrun: bool = False) -> Launcher:
+    def node(self, name: str, nnodes: str, torchrun: bool = False, collective: bool = True) -> Launcher:
         common = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.2"]
         if torchrun:
             conf = ",".join(f"{k}={v}" for k, v in {**self.query, "join_timeout": self.query["timeout"]}.items()
@@ -63,7 +63,9 @@ class Job:
             argv = [*common, "--rdzv", f"{self.scheme}://{self.server.address}/{self.run_id}?{query}",
                     "--log-dir", os.path.join(self.workdir, "logs")]
             module = "rdzv_agent.launcher"
-        argv += [TRAINER, "--out", self.out, "--collective", "--step-sleep", "0.1", "--pg-timeout", "30"]
+        argv += [TRAINER, "--out", self.out, "--step-sleep", "0.1", "--pg-timeout", "30"]
+        if collective:  # an all_reduce every step (else only the first: a lost peer goes unnoticed by the workers)
+            argv.append("--collective")
         launcher = Launcher(argv, self.workdir, name, env={"TRAINER_NODE": name, "LOGLEVEL": "INFO"},
                             module=module)
         self.nodes[name] = launcher
@@ -99,13 +101,14 @@ class Job:
             state = Rendezvous(kv, self.run_id, RendezvousParams(min_nodes=1)).describe()
         return {k: state.get(k) for k in ("status", "version", "id", "participants", "ranks")}
 
-    def stop(self, names: list[str]) -> None:
-        """Ask every worker to stop (at the same step); each of ``names`` must exit 0 and have finished."""
+    def stop(self, names: list[str], collective: bool = True) -> None:
+        """Ask every worker to stop; each of ``names`` must exit 0, its worker having finished (with
+        ``collective``: all at the same step)."""
         open(os.path.join(self.out, "stop-all"), "w").close()
         for name in names:
             assert self.nodes[name].wait(60) == 0, self.tails()
         last = {name: self.records(name)[-1]["step"] for name in names}
-        assert len(set(last.values())) == 1, f"the workers did not stop at one step: {last}"
+        assert not collective or len(set(last.values())) == 1, f"the workers did not stop at one step: {last}"
 
     def tails(self) -> str:
         return "\n".join(n.tail() for n in self.nodes.values())
@@ -275,14 +278,21 @@ def test_etcd_v3_killed_and_restarted_with_its_data_restarts_no_worker(etcd_job,
     assert_no_restarts(job, names, killed, 2)
 
 
-def test_a_node_killed_during_a_redis_pause_is_let_go_after_it(redis_job, redis, record_property) -> None:
+@pytest.mark.parametrize("collective", [True, False], ids=["collective-steps", "local-steps"])
+def test_a_node_killed_during_a_redis_pause_is_let_go_after_it(redis_job, redis, collective, record_property) -> None:
     """Three nodes (``--nnodes 2:3``) train; Redis is paused for ~3 x keep_alive_ttl and one node (not the one
     of group rank 0) is SIGKILLed with its worker during the pause. After SIGCONT the two survivors re-form and
     train at world size 2 with group ranks 0 and 1, within keep_alive_ttl + 10 s of the resume; in no round did
-    a worker see a world size or rank set that does not match its peers'; both survivors exit 0."""
+    a worker see a world size or rank set that does not match its peers'; both survivors exit 0.
+
+    ``collective-steps``: the survivors' workers fail with their peer (an all_reduce every step), their agents
+    spend a failure restart (``restart`` 1) and re-rendezvous. ``local-steps``: only the first step is a
+    collective, the survivors' workers never notice; the dead member's key stays missing once the backend has
+    answered for a whole TTL, the round is destroyed and the survivors re-form as a membership change
+    (``restart`` 0)."""
     job, names = redis_job, ["A", "B", "C"]
     for name in names:
-        job.node(name, "2:3")
+        job.node(name, "2:3", collective=collective)
     wait_until(job.training(names, 3, steps=5), START, "three nodes training at world size 3", job.tails)
     victim = next(n for n in reversed(names) if job.records(n)[-1]["group_rank"] != 0)
     survivors = [n for n in names if n != victim]
@@ -303,8 +313,10 @@ def test_a_node_killed_during_a_redis_pause_is_let_go_after_it(redis_job, redis,
     record_property("recovery_seconds", round(recovery, 2))
     print(f"\nfirst step at world size 2: {recovery:.2f} s after the resume")
     assert recovery < TTL + 10.0, f"{recovery:.1f} s from the resume to the survivors' first step at world size 2"
-    job.stop(survivors)
+    job.stop(survivors, collective)
     rounds = assert_rounds_consistent(job)
     assert sorted(rounds.values(), key=lambda r: -r[0]) == [(3, {0, 1, 2}), (2, {0, 1})], rounds
     last = {n: job.records(n)[-1] for n in survivors}
     assert {r["world"] for r in last.values()} == {2} and {r["group_rank"] for r in last.values()} == {0, 1}, last
+    restarts = {r["restart"] for n in survivors for r in job.steps(n, 2)}
+    assert restarts == {1 if collective else 0}, f"restart counts at world size 2: {restarts}\n{job.tails()}"
