@@ -7,7 +7,7 @@ What a backend author provides — at most three things:
    Placeholders: ``{tmp}`` becomes a fresh temporary directory of the session;
    ``{server:NAME}`` becomes ``HOST:PORT`` of the server controller returned by
    the fixture ``rdzv_server_NAME`` (define one in your ``conftest.py``; this
-   project ships ``rdzv_server_redis`` and ``rdzv_server_etcd``).
+   project ships ``rdzv_server_redis``, ``rdzv_server_etcd`` and ``rdzv_server_sentinel``).
    Without any ``--rdzv-url`` the suite runs against ``memory://`` and ``file://{tmp}/``.
 2. Optionally, a server controller (for the ``faults`` group): the object the
    ``rdzv_server_NAME`` fixture returns, with ``address`` (``"HOST:PORT"``),
@@ -31,7 +31,7 @@ import pytest
 from rdzv_core import KVBackend, list_backends, open_backend
 
 from .multihost import rdzv_hosts, rdzv_hosts_module  # noqa: F401  (fixtures)
-from .servers import rdzv_server_etcd, rdzv_server_redis  # noqa: F401  (fixtures)
+from .servers import rdzv_server_etcd, rdzv_server_redis, rdzv_server_sentinel  # noqa: F401  (fixtures)
 
 DEFAULT_URLS = ("memory://conformance/", "file://{tmp}/")
 _PLACEHOLDER = re.compile(r"\{server:([A-Za-z0-9_]+)\}")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Sequence, TypeVar
 import pytest
 
 __all__ = ["ServerProcess", "Placement", "LOOPBACK", "free_port", "wait_for_port", "rdzv_server_redis",
-           "rdzv_server_etcd"]
+           "rdzv_server_etcd", "rdzv_server_sentinel"]
 
 T = TypeVar("T")
 
@@ -200,7 +200,7 @@ def _all_threads_stopped(pid: int) -> bool:
     return True
 
 
-def _session_server(cls: type[ServerProcess]) -> Iterator[ServerProcess]:
+def _session_server(cls: type[Any]) -> Iterator[Any]:
     server = cls()
     try:
         server.start()
@@ -227,3 +227,12 @@ def rdzv_server_etcd() -> Iterator[ServerProcess]:
     from .etcd_server import EtcdServer
 
     yield from _session_server(EtcdServer)
+
+
+@pytest.fixture(scope="session")
+def rdzv_server_sentinel() -> Iterator[Any]:
+    """A Redis Sentinel group for the session (``{server:sentinel}``: the three sentinels; a master and
+    a replica behind them): :class:`~conformance_tests.redis_sentinel.SentinelGroup`."""
+    from .redis_sentinel import SentinelGroup
+
+    yield from _session_server(SentinelGroup)

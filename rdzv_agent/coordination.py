@@ -45,6 +45,10 @@ ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
 COMPLETE, LEFT, TIMED_OUT = "complete", "left", "timeout"
 
 
+#: Seconds between two writes of an agent's own key while it waits at the exit barrier.
+BARRIER_REASSERT = 5.0
+
+
 class RoundGone(Exception):
     """The round ended (``should_leave()``) while the agent waited on its store: re-rendezvous."""
 
@@ -139,7 +143,9 @@ def exit_barrier(store: Any, group_rank: int, group_world_size: int, timeout: fl
     Each agent sets its own key ``BARRIER_PREFIX/arrived/GROUP_RANK`` (torch counts
     with ``add``, which a retry after a lost answer could count twice) and waits for
     all of them; backend errors are retried within the timeout, so a backend restart
-    at the end of the job is waited out (torch's barrier logs them and gives up).
+    at the end of the job is waited out (torch's barrier logs them and gives up). The
+    key is set again every :data:`BARRIER_REASSERT` seconds of waiting, so a backend
+    restarted without its data loses no arrival.
 
     Returns:
         :data:`COMPLETE` (every agent of the round arrived), :data:`LEFT`
@@ -150,20 +156,24 @@ def exit_barrier(store: Any, group_rank: int, group_world_size: int, timeout: fl
         return COMPLETE
     deadline = time.monotonic() + timeout
     keys = [f"{BARRIER_PREFIX}/arrived/{r}" for r in range(group_world_size)]
-    while True:
+    while True:  # set our key, wait a while; set it again (a backend that lost its keys), wait again
         try:
             store.set(keys[group_rank], b"1")
-            break
         except (DistError, RdzvError):
             if should_leave():
                 return LEFT
             if time.monotonic() >= deadline:
                 return TIMED_OUT
             time.sleep(min(poll or 0.5, max(0.0, deadline - time.monotonic())))
-    try:
-        wait_keys(store, keys, deadline, poll, should_leave)
-    except RoundGone:
-        return LEFT
-    except SetupTimeout:
-        return TIMED_OUT
+            continue
+        until = deadline if poll is None else min(deadline, time.monotonic() + BARRIER_REASSERT)
+        try:
+            wait_keys(store, keys, until, poll, should_leave)
+        except RoundGone:
+            return LEFT
+        except SetupTimeout:
+            if time.monotonic() >= deadline:
+                return TIMED_OUT
+            continue
+        break
     return COMPLETE

@@ -57,7 +57,8 @@ EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or 
 VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
 
 #: How many server endpoints each built-in backend takes (its URL's host list), for ``rdzv backends``.
-SERVER_ENDPOINTS = {"etcd-v2": "many", "etcd-v3": "many", "redis": "one", "file": "none", "memory": "none"}
+SERVER_ENDPOINTS = {"etcd-v2": "many", "etcd-v3": "many", "redis": "one", "redis+sentinel": "many (sentinels)",
+                    "file": "none", "memory": "none"}
 
 
 def _open(url: str) -> tuple[KVBackend, Rendezvous]:

