@@ -10,7 +10,8 @@ each launcher: the launchers pass their environment to their workers)::
 
     {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "master", "step", "t"}
 
-``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``.
+``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``;
+``spawned`` is ``time.time()`` when the worker process began, before it imported torch.
 Before the first step it writes one ``start`` line with the same fields and ``"sum"`` (the first
 ``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct).
 It stops when asked, by files in ``OUT``:
@@ -31,6 +32,7 @@ from datetime import timedelta
 
 
 def main() -> int:
+    spawned = time.time()
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--pg-timeout", type=float, default=60.0)
@@ -50,7 +52,7 @@ def main() -> int:
         "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"]),
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")), "restart": restart,
         "role_rank": int(os.environ.get("ROLE_RANK", "-1")), "role_world": int(os.environ.get("ROLE_WORLD_SIZE", "-1")),
-        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}",
+        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", "spawned": spawned,
     }
 
     def record(**fields: object) -> None:
