@@ -69,8 +69,8 @@ class KeepAlive:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
         recreated: how many times the key was written again after it lapsed (int).
         responsiveness: :class:`~rdzv_core.outage.Responsiveness` of the refreshes: since when they
-            answered on time (a refresh slower than ``ttl / 6``, a failure, or a refresh started more
-            than ``ttl / 2`` after the previous one restarts it).
+            answered on time (a refresh slower than ``ttl / 3``, a failure, or a refresh started more
+            than ``2 ttl / 3`` after the previous one restarts it).
 
     Raises:
         ConfigError: ``ttl`` is not a positive number.
@@ -90,7 +90,7 @@ class KeepAlive:
         self.lapsed = threading.Event()
         self.recreated = 0
         self._outage = OutageLog(log.log)  # one WARNING per streak of failed refreshes
-        self.responsiveness = Responsiveness(slow=self.interval / 2, max_gap=1.5 * self.interval)
+        self.responsiveness = Responsiveness(slow=self.interval, max_gap=2 * self.interval)
         self._lock = threading.Lock()
         self._stopped = False  # stop() was called
         self._ended = False  # no more refreshes: stopped, backend closed, or lapsed without a value

@@ -6,8 +6,9 @@ this process starts a daemon thread that watches the round's keep-alive keys
 expiry) it lists them; if a rank in ``0 .. world-1`` has no key and the run is not closed, it
 destroys the round (compare-and-delete of the final record) and ends -- once the backend has
 answered this process without a break for a whole ``keep_alive_ttl`` (the subscribers'
-keep-alives tell since when): a key that vanished while the backend was away from everybody is
-written again by its live member within that time, and the round stands. It goes on with another
+keep-alives tell since when), and at the latest ``2 x keep_alive_ttl`` after a prompt look first
+showed the key missing: a key that vanished while the backend was away from everybody is written
+again by its live member within that time, and the round stands. It goes on with another
 subscriber's client if one is closed, retries backend errors with a jittered backoff (one WARNING
 per outage) and ends when the last subscriber unsubscribes. Why members watch their own round, and
 why they wait out an outage: ``docs/design.md`` ("Membership rules", "The backend away").
@@ -91,6 +92,7 @@ class _RoundWatch:
         self.subscribers: dict[object, tuple[KVBackend, Since | None]] = {}
         self.broken_at = -float("inf")  # when this watch last failed to reach the backend (monotonic)
         self.judge_at: float | None = None  # a rank is missing: look again then (monotonic)
+        self.missing_since: float | None = None  # when a prompt listing first showed a rank missing (monotonic)
         self.dead: list[KVBackend] = []  # clients found closed
         self.lock = threading.Lock()
         self.stopped = threading.Event()
@@ -164,23 +166,27 @@ class _RoundWatch:
         started = time.monotonic()
         entries, revision = kv.list(k.alive_prefix)
         now = time.monotonic()
-        if now - started > k.ttl / 6:  # a stalled answer is no evidence that the backend was there
+        if now - started > k.ttl / 3:  # a stalled answer is no evidence that the backend was there
             self.broken_at = now
         missing = missing_ranks(entries, k.world)
         if not missing:
-            self.judge_at = None
+            self.judge_at = self.missing_since = None
             return revision
         if self.stopped.is_set():
             # The last subscriber left; its member deletes its key after unsubscribing, so a key seen
             # missing now may be that member's own: not a lapse for this watch to act on.
             return None
-        answering = self._answering_since()
-        if now - answering < k.ttl:  # the backend was away: a live member writes its key again meanwhile
+        if self.missing_since is None:
+            self.missing_since = now
+        # The backend was away: a live member writes its key again meanwhile. Judged once the backend answered
+        # for a TTL, and at the latest 2 TTL after a prompt look first showed the key missing (a loaded host
+        # whose calls keep stalling must not put the judgement off for ever).
+        judge_at = min(self._answering_since() + k.ttl, self.missing_since + 2 * k.ttl)
+        if now < judge_at:
             if self.judge_at is None:
-                log.info("run=%s version=%d: keep-alive of rank(s) %s missing %.1f s after the backend answered "
-                         "again; waiting until it answered for %.1f s", k.run_id, k.version, missing,
-                         now - answering, k.ttl)
-            self.judge_at = answering + k.ttl
+                log.info("run=%s version=%d: keep-alive of rank(s) %s missing after the backend was away; "
+                         "judged in %.1f s unless written again", k.run_id, k.version, missing, judge_at - now)
+            self.judge_at = judge_at
             return revision
         destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted")
         return None

@@ -414,13 +414,15 @@ class RoundMachine(RoundIO):
         # A member of that round knows it is over (it left to re-rendezvous); anyone else acts on a missing key
         # only once the backend answered its looks for a whole TTL (docs/design.md, "The backend away").
         member = self.last_round is not None and self.last_round[:2] == (version, rid or "")
-        answering = Responsiveness(slow=ttl / 6, max_gap=ttl / 2)
+        answering = Responsiveness(slow=ttl / 3, max_gap=2 * ttl / 3)
+        missing_since: float | None = None  # when a prompt look first showed a rank missing
         while True:
             looked = time.monotonic()
             alive, revision = self.kv.list(alive_dir)
-            answering.record(looked, time.monotonic(), ok=True)
+            answering.record(looked, now := time.monotonic(), ok=True)
             missing = missing_ranks(alive, world)
-            if missing and (member or time.monotonic() - answering.since >= ttl):
+            missing_since = (missing_since or now) if missing else None
+            if missing_since is not None and (member or now - answering.since >= ttl or now - missing_since >= 2 * ttl):
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
             now = time.monotonic()
@@ -481,17 +483,19 @@ class RoundMachine(RoundIO):
 
     def _restore_round(self) -> bool:
         """Re-establish this member's final round if the backend lost its record
-        (:func:`~.state_io.restore_round`): whether the round stands. Only after an outage this member's
-        keep-alive saw within the last ``4/3 x keep_alive_ttl`` (a failed or stalled refresh): keys that vanish
-        while the backend answers were deleted on purpose. Backend errors are logged, not raised."""
+        (:func:`~.state_io.restore_round`): whether the round stands. A lost record is written again only
+        after an outage this member's keep-alive saw within the last ``4/3 x keep_alive_ttl`` (a failed or
+        stalled refresh). Backend errors are logged, not raised."""
         watched = self._watched
         if watched is None:
             return False
         evidence = self._evidence
-        if evidence is not None and time.monotonic() - evidence.last_break > self.params.keep_alive_ttl * 4 / 3:
-            return False  # the backend answered all along: the keys were deleted on purpose (rdzv reset)
+        # Keys that vanish while the backend answers all along were deleted on purpose (rdzv reset): a lost
+        # record is written again only after an outage this member saw; a final round found frozen again
+        # (nobody ever makes a final round frozen) is repaired always.
+        away = evidence is None or time.monotonic() - evidence.last_break <= self.params.keep_alive_ttl * 4 / 3
         try:
-            done = restore_round(self.kv, self.keys, watched.record)
+            done = restore_round(self.kv, self.keys, watched.record, recreate=away)
         except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
             self._log(logging.WARNING, "could not check this node's round after a lapse: %s", exc,
                       version=watched.version)

@@ -36,7 +36,7 @@ def delete_round_record(kv: KVBackend, keys: RunKeys, revision: int) -> bool:
     return True
 
 
-def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord) -> str | None:
+def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord, recreate: bool = True) -> str | None:
     """Re-establish the final round ``final`` where the backend lost it, never over a decision of the others.
 
     * The record is that final round: ``"standing"``.
@@ -74,7 +74,7 @@ def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord) -> str | Non
             reached = counter is not None and int(counter.value) >= final.version
         except ValueError:
             return None  # a corrupt counter: not ours to repair (the state machine reports it)
-        if reached:
+        if reached or not recreate:
             return None
         try:
             kv.create(keys.round_record, final.encode())
