@@ -481,11 +481,15 @@ class RoundMachine(RoundIO):
             return  # not final yet (the key is written again and the round goes on), or another round
         self._restore_round()
 
-    def _restore_round(self) -> bool:
+    def _restore_round(self, quiet: bool = True) -> bool:
         """Re-establish this member's final round if the backend lost its record
         (:func:`~.state_io.restore_round`): whether the round stands. A lost record is written again only
         after an outage this member's keep-alive saw within the last ``4/3 x keep_alive_ttl`` (a failed or
-        stalled refresh). Backend errors are logged, not raised."""
+        stalled refresh). With ``quiet``, backend errors are logged and give ``False``; else they are raised.
+
+        Raises:
+            BackendUnavailableError, BackendClosedError, RendezvousStateError: not ``quiet``, from the backend.
+        """
         watched = self._watched
         if watched is None:
             return False
@@ -497,6 +501,8 @@ class RoundMachine(RoundIO):
         try:
             done = restore_round(self.kv, self.keys, watched.record, recreate=away)
         except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
+            if not quiet:
+                raise
             self._log(logging.WARNING, "could not check this node's round after a lapse: %s", exc,
                       version=watched.version)
             return False

@@ -226,7 +226,7 @@ class Rendezvous(RoundMachine):
         if current is not None and self._watched is not None and (
                 record is None or (record.status is Status.FROZEN and record.is_round(current.version,
                                                                                       current.round_id or None))):
-            if self._restore_round():  # the backend lost the record or its final state: not the others' doing
+            if self._restore_round(quiet=False):  # the backend lost the record or its final state
                 return 0
         if current is not None and (record is None or not record.is_round(current.version, current.round_id or None)):
             joined = 0
