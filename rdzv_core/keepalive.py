@@ -157,7 +157,7 @@ class KeepAlive:
 
     def _refresh(self) -> float | None:
         """Refresh the key once; return the wait before the next refresh (seconds), ``None`` to end."""
-        started = time.monotonic()
+        started = self.responsiveness.begin()
         try:
             self.kv.refresh(self.key, self.ttl)
             self.responsiveness.record(started, ended := time.monotonic(), ok=True)
@@ -176,6 +176,7 @@ class KeepAlive:
             log.warning("keep-alive key %s lapsed before it was refreshed; writing it again", self.key)
             return self._recreate()
         except BackendClosedError:
+            self.responsiveness.record(started, time.monotonic(), ok=False)
             return None
         except Exception as exc:  # keep trying until stopped; never end silently
             self.responsiveness.record(started, ended := time.monotonic(), ok=False)

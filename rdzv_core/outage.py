@@ -15,7 +15,11 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["OutageLog", "Responsiveness"]
+__all__ = ["OutageLog", "Responsiveness", "LATEST_JUDGEMENT"]
+
+#: A keep-alive key seen missing by a prompt look is judged lost at the latest this many keep-alive TTLs
+#: later, however often the looker's own calls stall meanwhile (``docs/design.md``, "The backend away").
+LATEST_JUDGEMENT = 3
 
 
 class OutageLog:
@@ -51,12 +55,13 @@ class OutageLog:
 class Responsiveness:
     """Since when one client has seen the backend answer promptly, without a break.
 
-    Fed with the client's regular calls (:meth:`record`): a call that failed, took longer than
-    ``slow`` seconds, or started more than ``max_gap`` seconds after the previous one ended (the
-    client, or its process, was held up) restarts the period at the call's end. The rendezvous
-    judges a missing keep-alive key a real loss only once the period spans a whole keep-alive TTL
-    (``docs/design.md``, "The backend away"): a key that vanished while the backend was away from
-    everybody gets the same TTL to be written again that a member always has.
+    Fed with the client's regular calls (:meth:`begin` at the start of each, :meth:`record` at its end): a
+    call that failed, took longer than ``slow`` seconds, or started more than ``max_gap`` seconds after the
+    previous one ended (the client, or its process, was held up) restarts the period at the call's end; a
+    call still in flight after ``slow`` seconds breaks it now. The rendezvous judges a missing keep-alive
+    key a real loss only once the period spans a whole keep-alive TTL (``docs/design.md``, "The backend
+    away"): a key that vanished while the backend was away from everybody gets the same TTL to be written
+    again that a member always has.
 
     Args:
         slow: seconds after which a call counts as a stall (> 0).
@@ -71,11 +76,21 @@ class Responsiveness:
         self._since = time.monotonic() if since is None else since
         self._broken = -float("inf")
         self._last: float | None = None
+        self._inflight: list[float] = []  # start times of calls begun and not yet recorded
         self._lock = threading.Lock()
+
+    def begin(self) -> float:
+        """A call starts now: its start (``time.monotonic()``), to pass to :meth:`record`."""
+        started = time.monotonic()
+        with self._lock:
+            self._inflight.append(started)
+        return started
 
     def record(self, started: float, ended: float, ok: bool) -> None:
         """One call from ``started`` to ``ended`` (``time.monotonic()`` seconds); ``ok``: it answered."""
         with self._lock:
+            if started in self._inflight:
+                self._inflight.remove(started)
             held_up = self._last is not None and started - self._last > self.max_gap
             if not ok or ended - started > self.slow or held_up:
                 self._since = max(self._since, ended)
@@ -88,14 +103,21 @@ class Responsiveness:
             at = time.monotonic() if at is None else at
             self._since, self._broken = max(self._since, at), max(self._broken, at)
 
+    def _stalled_now(self) -> float:
+        """Now if a call has been in flight longer than ``slow``, else ``-inf`` (lock held)."""
+        now = time.monotonic()
+        return now if self._inflight and now - min(self._inflight) > self.slow else -float("inf")
+
     @property
     def since(self) -> float:
-        """``time.monotonic()`` since which every call answered promptly (the start, if none failed yet)."""
+        """``time.monotonic()`` since which every call answered promptly (the start, if none failed yet;
+        now, while a call is stalled)."""
         with self._lock:
-            return self._since
+            return max(self._since, self._stalled_now())
 
     @property
     def last_break(self) -> float:
-        """``time.monotonic()`` of the last failed, stalled or held-up call (``-inf`` if none)."""
+        """``time.monotonic()`` of the last failed, stalled or held-up call (``-inf`` if none; now, while a
+        call is stalled)."""
         with self._lock:
-            return self._broken
+            return max(self._broken, self._stalled_now())

@@ -6,7 +6,7 @@ this process starts a daemon thread that watches the round's keep-alive keys
 expiry) it lists them; if a rank in ``0 .. world-1`` has no key and the run is not closed, it
 destroys the round (compare-and-delete of the final record) and ends -- once the backend has
 answered this process without a break for a whole ``keep_alive_ttl`` (the subscribers'
-keep-alives tell since when), and at the latest ``2 x keep_alive_ttl`` after a prompt look first
+keep-alives tell since when), and at the latest ``3 x keep_alive_ttl`` after a prompt look first
 showed the key missing: a key that vanished while the backend was away from everybody is written
 again by its live member within that time, and the round stands. It goes on with another
 subscriber's client if one is closed, retries backend errors with a jittered backoff (one WARNING
@@ -31,7 +31,7 @@ from .errors import (
     RdzvError,
 )
 from .kv import EventType, KVBackend
-from .outage import OutageLog
+from .outage import LATEST_JUDGEMENT, OutageLog
 from .rendezvous.record import RoundRecord, RunKeys, Status, missing_ranks
 from .rendezvous.state_io import delete_round_record
 
@@ -179,16 +179,17 @@ class _RoundWatch:
         if self.missing_since is None:
             self.missing_since = now
         # The backend was away: a live member writes its key again meanwhile. Judged once the backend answered
-        # for a TTL, and at the latest 2 TTL after a prompt look first showed the key missing (a loaded host
+        # for a TTL, and at the latest 3 TTL after a prompt look first showed the key missing (a loaded host
         # whose calls keep stalling must not put the judgement off for ever).
-        judge_at = min(self._answering_since() + k.ttl, self.missing_since + 2 * k.ttl)
+        judge_at = min(self._answering_since() + k.ttl, self.missing_since + LATEST_JUDGEMENT * k.ttl)
         if now < judge_at:
             if self.judge_at is None:
                 log.info("run=%s version=%d: keep-alive of rank(s) %s missing after the backend was away; "
                          "judged in %.1f s unless written again", k.run_id, k.version, missing, judge_at - now)
             self.judge_at = judge_at
             return revision
-        destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted")
+        destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted (the backend answered for "
+                       f"{now - self._answering_since():.1f} s, missing for {now - self.missing_since:.1f} s)")
         return None
 
 

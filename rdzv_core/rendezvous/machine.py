@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..keepalive import KeepAlive
 from ..kv import Entry, KVBackend, wait_for_change
-from ..outage import Responsiveness
+from ..outage import LATEST_JUDGEMENT, Responsiveness
 from .state_io import RoundIO, restore_round
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
@@ -422,7 +422,8 @@ class RoundMachine(RoundIO):
             answering.record(looked, now := time.monotonic(), ok=True)
             missing = missing_ranks(alive, world)
             missing_since = (missing_since or now) if missing else None
-            if missing_since is not None and (member or now - answering.since >= ttl or now - missing_since >= 2 * ttl):
+            if missing_since is not None and (member or now - answering.since >= ttl
+                                              or now - missing_since >= LATEST_JUDGEMENT * ttl):
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
             now = time.monotonic()
