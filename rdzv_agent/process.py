@@ -5,7 +5,10 @@ own process group: a Ctrl-C on the launcher's terminal reaches only the
 launcher, which forwards it, and stopping a worker reaches every process the
 worker started. :func:`stop_processes` sends the signal to each worker's
 process group and to every descendant found with psutil (which catches those
-that left the group), waits up to a grace period, then SIGKILLs what is left.
+that left the group, e.g. in a session of their own), and -- given the node's
+:class:`~rdzv_agent.reaper.NodeReaper` (``rdzv-run``) -- to every process the
+workers left behind (their parent exited: re-parented to the launcher, a
+subreaper); waits up to a grace period, then SIGKILLs what is left.
 
 If the agent itself dies without stopping its workers (``kill -9``, OOM
 killer), Linux delivers :data:`PARENT_DEATH_SIGNAL` (SIGKILL) to each worker:
@@ -14,26 +17,30 @@ the child sets ``prctl(PR_SET_PDEATHSIG)`` between ``fork`` and ``exec``
 have died before the ``prctl``). Two limits of ``PR_SET_PDEATHSIG``: it fires
 when the *thread* that started the worker exits (start workers from a thread
 that outlives them, e.g. the main thread, as ``rdzv-run`` does), and it reaches
-only the worker itself, not processes the worker started (those are the
-worker's to stop, as with torchrun). Elsewhere than Linux nothing is set.
+only the worker itself, not processes the worker started (under ``rdzv-run``
+the reaper's watch process stops those, :mod:`rdzv_agent.reaper`). Elsewhere
+than Linux nothing is set.
+
+A worker's output is read from pipes (:class:`~rdzv_agent.streams.StreamPump`).
+A process the worker started inherits them and may hold them open after the
+worker exited: reports and stops wait until what the worker wrote was read
+(:meth:`~rdzv_agent.streams.StreamPump.drain`), not for the pipes to close.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import json
+import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
+from .reaper import NodeReaper, libc_prctl
 from .streams import StreamPump, error_excerpt, stderr_console, stdout_console
 
 if TYPE_CHECKING:
@@ -41,24 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerProcess", "stop_processes", "PARENT_DEATH_SIGNAL"]
 
+log = logging.getLogger(__name__)
+
 #: Signal a worker gets when the agent process dies without stopping it (Linux only).
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@functools.lru_cache(maxsize=1)
-def _prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` (Linux), or ``None`` where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
 
 
 def _parent_death_hook() -> Callable[[], None] | None:
@@ -67,7 +62,7 @@ def _parent_death_hook() -> Callable[[], None] | None:
     ``prctl`` is looked up here, before ``fork``, so the child only makes the
     system call and reads its parent pid (no imports, no locks).
     """
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:
         return None
     agent_pid = os.getpid()
@@ -215,14 +210,15 @@ class WorkerProcess:
         return list(self._tree)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Reap the process and wait for the output pumps (after it exited)."""
+        """Reap the process and wait up to ``timeout`` seconds each for its output pumps to drain (after it
+        exited); a pump whose pipe another process still holds keeps copying in the background."""
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-        self._stderr.join(timeout)
+        self._stderr.drain(timeout)
         if self._stdout is not None:
-            self._stdout.join(timeout)
+            self._stdout.drain(timeout)
 
 
 def _read_error_file(path: str) -> str:
@@ -256,17 +252,31 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, grace: float = 10.0,
+                   reaper: NodeReaper | None = None) -> None:
     """Stop ``workers`` and their process trees: ``sig``, up to ``grace`` seconds, then SIGKILL.
 
     Safe for workers that already exited (what is left of their process group
-    is stopped too). Waits until the workers, their process groups and their
-    known descendants are gone, at most ``grace`` seconds before the SIGKILL;
-    then reaps the workers and waits up to 5 s for their output pumps.
+    is stopped too). With ``reaper``, also every process the workers left
+    behind (:meth:`~rdzv_agent.reaper.NodeReaper.adopted`: those of earlier
+    groups included), reaped afterwards. Waits until the workers, their process
+    groups and their known descendants are gone, at most ``grace`` seconds
+    before the SIGKILL; then reaps the workers and waits up to 5 s for their
+    output pumps to drain.
     """
     descendants: list[psutil.Process] = []
     for w in workers:
         descendants += w.send(sig)[1:]
+    pids = {w.pid for w in workers}
+    adopted = reaper.adopted(pids) if reaper is not None else []
+    for proc in adopted:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+    if adopted:
+        log.info("stopping %d processes the workers left behind: %s", len(adopted), sorted(p.pid for p in adopted))
+    descendants += adopted
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if (
@@ -284,5 +294,8 @@ def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, 
             p.kill()
         except psutil.Error:
             pass
+    if reaper is not None:
+        psutil.wait_procs(adopted, timeout=5.0)  # reaps our children; the others' zombies re-parent to us
+        reaper.reap(pids, force=True)
     for w in workers:
         w.close(timeout=5.0)
