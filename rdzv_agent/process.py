@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
-from .reaper import NodeReaper, libc_prctl
+from .reaper import NodeReaper, alive, libc_prctl
 from .streams import StreamPump, error_excerpt, stderr_console, stdout_console
 
 if TYPE_CHECKING:
@@ -139,12 +139,16 @@ class WorkerProcess:
         if stdout_target is subprocess.PIPE and self.popen.stdout is not None:
             self._stdout = StreamPump(self.popen.stdout, streams.stdout, stdout_console, streams.prefix,
                                       None, streams.stdout_filter)
+        self._seen_exit: float | None = None
         self._tree: list[psutil.Process] = []
         self._agent_signals: set[int] = set()
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or ``None`` while running."""
-        return self.popen.poll()
+        code = self.popen.poll()
+        if code is not None and self._seen_exit is None:
+            self._seen_exit = time.monotonic()
+        return code
 
     @property
     def stopped_by_agent(self) -> bool:
@@ -160,22 +164,26 @@ class WorkerProcess:
 
     @property
     def exited_at(self) -> float:
-        """Monotonic time the worker closed its stderr (about when it exited), else +inf."""
-        return self._stderr.eof_at if self._stderr.eof_at is not None else float("inf")
+        """Monotonic time the worker closed its stderr (about when it exited), else when :meth:`poll` first saw
+        it exited (a process it started may hold its stderr open), else +inf."""
+        if self._stderr.eof_at is not None:
+            return self._stderr.eof_at
+        return self._seen_exit if self._seen_exit is not None else float("inf")
 
     @property
     def exited_wall_time(self) -> float | None:
         """:attr:`exited_at` as wall-clock time (seconds since the epoch), or ``None`` while running."""
-        eof = self._stderr.eof_at
-        return None if eof is None else time.time() - (time.monotonic() - eof)
+        at = self.exited_at
+        return None if at == float("inf") else time.time() - (time.monotonic() - at)
 
     def error(self, max_lines: int = 5) -> str:
         """The first lines of the worker's error.
 
         From ``TORCHELASTIC_ERROR_FILE`` if the worker wrote one (torch's ``@record``),
-        otherwise from the end of its stderr. Waits up to 2 s for stderr to drain.
+        otherwise from the end of its stderr. Waits up to 2 s for stderr to drain (not for it to close: a
+        process the worker started may hold it open).
         """
-        self._stderr.join(2.0)
+        self._stderr.drain(2.0)
         message = _read_error_file(self.error_file)
         if message:
             return "\n".join(message.strip().splitlines()[:max_lines])
@@ -234,13 +242,6 @@ def _read_error_file(path: str) -> str:
     return message if isinstance(message, str) else ""
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
-
-
 def _group_alive(pgid: int) -> bool:
     """True if any process is left in process group ``pgid``."""
     try:
@@ -279,9 +280,11 @@ def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, 
     descendants += adopted
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
+        if reaper is not None:  # what died after its worker is our zombie: it would keep the group "alive"
+            reaper.reap(pids, force=True)
         if (
             all(w.poll() is not None for w in workers)
-            and not any(_alive(p) for p in descendants)
+            and not any(alive(p) for p in descendants)
             and not any(_group_alive(w.pid) for w in workers)
         ):
             break

@@ -56,7 +56,7 @@ from typing import Callable, Collection, Sequence
 
 import psutil
 
-__all__ = ["NodeReaper", "TOKEN_ENV", "REAP_INTERVAL", "libc_prctl", "terminate"]
+__all__ = ["NodeReaper", "TOKEN_ENV", "REAP_INTERVAL", "alive", "libc_prctl", "terminate"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,8 @@ TOKEN_ENV = "RDZV_REAPER_TOKEN"
 REAP_INTERVAL = 1.0
 
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+#: Runs this file as ``__main__`` (the watch) without putting its directory, or the current one, on ``sys.path``.
+_RUN_WATCH = "import runpy, sys; del sys.path[0]; runpy.run_path(sys.argv.pop(1), run_name='__main__')"
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,7 +84,8 @@ def libc_prctl() -> Callable[..., int] | None:
     return prctl
 
 
-def _alive(proc: psutil.Process) -> bool:
+def alive(proc: psutil.Process) -> bool:
+    """True if ``proc`` is running and not a zombie."""
     try:
         return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
@@ -101,11 +104,11 @@ def terminate(procs: Sequence[psutil.Process], grace: float, sig: int = signal.S
         except psutil.Error:
             pass
     deadline = time.monotonic() + grace
-    while any(_alive(p) for p in procs) and time.monotonic() < deadline:
+    while any(alive(p) for p in procs) and time.monotonic() < deadline:
         time.sleep(0.05)
     killed = []
     for proc in procs:
-        if _alive(proc):
+        if alive(proc):
             try:
                 proc.kill()
                 killed.append(proc)
@@ -162,7 +165,7 @@ class NodeReaper:
         read_end, write_end = os.pipe()  # both close-on-exec: the workers never get the write end
         try:
             watch = subprocess.Popen(
-                [sys.executable, "-P", os.path.abspath(__file__), token, repr(float(grace))],
+                [sys.executable, "-c", _RUN_WATCH, os.path.abspath(__file__), token, repr(float(grace))],
                 stdin=read_end, stdout=subprocess.DEVNULL, close_fds=True, start_new_session=True,
             )
         except OSError as exc:
@@ -230,7 +233,7 @@ def _marked(token: str) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.pid != os.getpid() and proc.environ().get(TOKEN_ENV) == token and _alive(proc):
+            if proc.pid != os.getpid() and proc.environ().get(TOKEN_ENV) == token and alive(proc):
                 found.append(proc)
         except psutil.Error:
             continue
