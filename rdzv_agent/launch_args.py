@@ -11,7 +11,7 @@
              [--virtual-local-rank] [--numa-binding MODE] [--shutdown-timeout S] [--exit-barrier-timeout S]
              [--local-ranks-filter R,...] [--duplicate-stdout-filters S,...] [--duplicate-stderr-filters S,...]
              [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] [--hang-timeout S]
-             [--metrics-port PORT] SCRIPT [ARGS...]
+             [--metrics-port PORT] [--keep-orphans] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds between SIGTERM and SIGKILL when stopping the workers (default: env "
              f"{SHUTDOWN_TIMEOUT_ENV}, else {DEFAULT_SHUTDOWN_TIMEOUT:g}); workers hung in a collective may ignore "
              "SIGTERM")
+    opt("--keep-orphans", action="store_true",
+        help="let processes the workers start outlive the job (a daemon meant to stay): by default whatever the "
+             "workers leave behind is stopped with each worker group and when the launcher ends, even by kill -9")
     opt("--exit-barrier-timeout", type=_non_negative_seconds, default=DEFAULT_EXIT_BARRIER_TIMEOUT, metavar="S",
         help=f"seconds a node whose workers succeeded waits for the other nodes of its round to finish before it "
              f"ends and closes the run (default {DEFAULT_EXIT_BARRIER_TIMEOUT:g}, torch's; 0: do not wait)")

@@ -135,6 +135,9 @@ class LaunchConfig:
     metrics_port: int | None = None
     #: ``RDZV_PROGRESS_INTERVAL``: seconds between two writes of the workers' progress to the backend.
     progress_interval: float = 5.0
+    #: ``--keep-orphans`` (``PET_KEEP_ORPHANS``): processes the workers leave behind are not stopped
+    #: (:mod:`rdzv_agent.reaper`).
+    keep_orphans: bool = False
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -228,6 +231,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         hang_timeout=getattr(args, "hang_timeout", None),
         metrics_port=_metrics_port(getattr(args, "metrics_port", None), environ),
         progress_interval=interval_from_env(environ),
+        keep_orphans=bool(getattr(args, "keep_orphans", False)),
     )
 
 

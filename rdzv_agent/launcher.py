@@ -9,7 +9,13 @@ summary (:mod:`rdzv_agent.report`). ``python -m rdzv_agent`` runs the same ``mai
 
 The workers die with the launcher: on Linux each gets SIGKILL from the kernel
 if the launcher process dies without stopping them (``kill -9``), see
-:mod:`rdzv_agent.process`.
+:mod:`rdzv_agent.process`. So do the processes the workers start (helpers in new
+sessions included): ``main()`` run as its own process (the ``rdzv-run`` command,
+``python -m rdzv_agent``) makes the launcher their subreaper and starts a watch
+process for ``kill -9`` (:mod:`rdzv_agent.reaper`), unless ``--keep-orphans``.
+``main(argv)`` called inside another program leaves that program's process
+alone (it may have children of its own): there only the workers' trees are
+stopped.
 
 Exit status, and what happens to the run (as with ``torchrun``, whose
 ``launch_agent`` calls the handler's ``shutdown()`` unless a signal stopped it):
@@ -72,6 +78,7 @@ from .launch_args import URL_ENV, parse_args, strip_rdzv_options
 from .launch_config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .local import LocalElasticAgent
 from .logs import make_logs_specs
+from .reaper import NodeReaper
 from .report import Reporter, Summary
 from .simple import AgentEvent
 from .worker_options import SIGNALS_ENV
@@ -151,7 +158,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     Args:
         argv: the arguments (default ``sys.argv[1:]``; only then may the launcher
-            re-exec itself to take a password off its command line).
+            re-exec itself to take a password off its command line, and only then is
+            it the reaper of its workers' processes, see the module docstring).
     """
     raw_argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(raw_argv)  # exits 2 on bad options
@@ -176,10 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.stop()
         return _error(f"--metrics-port {config.metrics_port}: {exc.strerror or exc}")
     standalone_dir = tempfile.mkdtemp(prefix="rdzv-standalone-") if isinstance(target, Standalone) else ""
+    reaper = NodeReaper.start(config.shutdown_timeout) if argv is None and not config.keep_orphans else None
     try:
         return _launch(config, target.in_directory(standalone_dir) if isinstance(target, Standalone) else target,
-                       heartbeat, prom)
+                       heartbeat, prom, reaper)
     finally:
+        if reaper is not None:
+            reaper.close(config.shutdown_timeout + 10)
         if prom is not None:
             prom.stop()
         if server is not None:
@@ -237,7 +248,7 @@ def _metrics_server(port: int | None) -> AgentMetrics | None:
 
 
 def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, heartbeat: health.Heartbeat,
-            prom: AgentMetrics | None = None) -> int:
+            prom: AgentMetrics | None = None, reaper: NodeReaper | None = None) -> int:
     reporter = Reporter()
     try:
         handler, shown_url, shown = _open_rendezvous(config, target, reporter, heartbeat)
@@ -284,7 +295,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
             stop_grace=config.shutdown_timeout, exit_barrier_timeout=config.exit_barrier_timeout,
             virtual_local_rank=config.virtual_local_rank, numa_cpus=config.numa_cpus,
             ops=config.ops, heartbeat=heartbeat,
-            hang_timeout=config.hang_timeout, progress_interval=config.progress_interval,
+            hang_timeout=config.hang_timeout, progress_interval=config.progress_interval, reaper=reaper,
         )
         if prom is not None:
             prom.attach(handler.get_run_id(), handler.get_backend(), lambda: agent.progress)

@@ -29,9 +29,14 @@ environment variables:
 ``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.watchdog`)
 ``RDZV_PROGRESS_FILE``         where the worker reports its step (:mod:`rdzv_agent.progress`)
 ``RDZV_STACK_FILE``            where its Python stacks go on a hang (:mod:`rdzv_agent.hang`)
+``RDZV_REAPER_TOKEN``          with a ``reaper``: marks what the worker starts (:mod:`rdzv_agent.reaper`)
 =============================  =====================================================
 
 With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
+
+With a ``reaper`` (``rdzv-run``: :mod:`rdzv_agent.reaper`), every stop of the group
+-- restart, membership change, failure, signal, and the end of :meth:`run` after a
+success -- also stops the processes the workers left behind.
 
 Operations hooks (``ops``, :mod:`rdzv_agent.ops`): torch's file-timer watchdog and the
 stuck-process check (:mod:`rdzv_agent.stuck`).
@@ -63,6 +68,7 @@ from .health import Heartbeat
 from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
 from .ops import OpsHooks
 from .process import WorkerProcess, stop_processes
+from .reaper import NodeReaper
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std
 from .stuck import TIMEOUT_ENV as STUCK_ENV
@@ -105,6 +111,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         hang_timeout: seconds a worker that reported progress may go without before it counts as
             hung (stacks dumped, a failure: :mod:`rdzv_agent.hang`); ``None``: no check.
         progress_interval: seconds between two writes of the workers' progress to the backend.
+        reaper: this process is the subreaper of the workers' processes (:mod:`rdzv_agent.reaper`): every stop
+            of the group also stops what the workers left behind; ``None``: only the workers' trees.
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
@@ -133,6 +141,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         heartbeat: Heartbeat | None = None,
         hang_timeout: float | None = None,
         progress_interval: float = PROGRESS_INTERVAL,
+        reaper: NodeReaper | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -158,6 +167,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._virtual_local_rank = virtual_local_rank
         self._numa_cpus = dict(numa_cpus or {})
         self._hangs = HangWatch(spec.rdzv_handler, hang_timeout, progress_interval)
+        self._reaper = reaper
 
     @property
     def log_dir(self) -> str:
@@ -203,6 +213,8 @@ class LocalElasticAgent(SimpleElasticAgent):
             TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
             PYTHONUNBUFFERED="1",
         )
+        if self._reaper is not None:
+            env.update(self._reaper.env)
         env.update(worker_options.torch_defaults(self._base_env))
         env.update(worker_options.local_rank_env(self._base_env, local_rank, self._virtual_local_rank))
         if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in self._base_env:
@@ -261,7 +273,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         """
         self._watchdog.stop()
         self._hangs.stopping()
-        stop_processes(list(self._procs.values()), sig, self._stop_grace)
+        stop_processes(list(self._procs.values()), sig, self._stop_grace, self._reaper)
 
     def _shutdown(self, death_sig: int = signal.SIGTERM) -> None:
         self._stop_workers(self._worker_group, death_sig)
@@ -270,7 +282,10 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
         try:
-            return super().run(role)
+            results = super().run(role)  # stops the workers when it raises
+            if self._reaper is not None:  # succeeded: what the workers left behind ends with the node too
+                stop_processes(list(self._procs.values()), signal.SIGTERM, self._stop_grace, self._reaper)
+            return results
         finally:  # the workers are done: remove the watchdog's pipe and the progress files
             self._watchdog.stop()
             self._hangs.close()
@@ -282,6 +297,8 @@ class LocalElasticAgent(SimpleElasticAgent):
     @prof
     def _monitor_workers(self, worker_group: WorkerGroup) -> MonitorResult:
         """FAILED if any worker exited non-zero, SUCCEEDED if all exited 0, else HEALTHY."""
+        if self._reaper is not None:  # adopted processes that exited on their own: no zombies
+            self._reaper.reap([proc.pid for proc in self._procs.values()])
         codes = {lr: proc.poll() for lr, proc in self._procs.items()}
         failed = {lr: code for lr, code in codes.items() if code not in (None, 0)}
         if failed:

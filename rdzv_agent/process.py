@@ -5,7 +5,10 @@ own process group: a Ctrl-C on the launcher's terminal reaches only the
 launcher, which forwards it, and stopping a worker reaches every process the
 worker started. :func:`stop_processes` sends the signal to each worker's
 process group and to every descendant found with psutil (which catches those
-that left the group), waits up to a grace period, then SIGKILLs what is left.
+that left the group, e.g. in a session of their own), and -- given the node's
+:class:`~rdzv_agent.reaper.NodeReaper` (``rdzv-run``) -- to every process the
+workers left behind (their parent exited: re-parented to the launcher, a
+subreaper); waits up to a grace period, then SIGKILLs what is left.
 
 If the agent itself dies without stopping its workers (``kill -9``, OOM
 killer), Linux delivers :data:`PARENT_DEATH_SIGNAL` (SIGKILL) to each worker:
@@ -14,26 +17,30 @@ the child sets ``prctl(PR_SET_PDEATHSIG)`` between ``fork`` and ``exec``
 have died before the ``prctl``). Two limits of ``PR_SET_PDEATHSIG``: it fires
 when the *thread* that started the worker exits (start workers from a thread
 that outlives them, e.g. the main thread, as ``rdzv-run`` does), and it reaches
-only the worker itself, not processes the worker started (those are the
-worker's to stop, as with torchrun). Elsewhere than Linux nothing is set.
+only the worker itself, not processes the worker started (under ``rdzv-run``
+the reaper's watch process stops those, :mod:`rdzv_agent.reaper`). Elsewhere
+than Linux nothing is set.
+
+A worker's output is read from pipes (:class:`~rdzv_agent.streams.StreamPump`).
+A process the worker started inherits them and may hold them open after the
+worker exited: reports and stops wait until what the worker wrote was read
+(:meth:`~rdzv_agent.streams.StreamPump.drain`), not for the pipes to close.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import json
+import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
+from .reaper import NodeReaper, alive, libc_prctl
 from .streams import StreamPump, error_excerpt, stderr_console, stdout_console
 
 if TYPE_CHECKING:
@@ -41,24 +48,12 @@ if TYPE_CHECKING:
 
 __all__ = ["WorkerProcess", "stop_processes", "PARENT_DEATH_SIGNAL"]
 
+log = logging.getLogger(__name__)
+
 #: Signal a worker gets when the agent process dies without stopping it (Linux only).
 PARENT_DEATH_SIGNAL = signal.SIGKILL
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
-
-
-@functools.lru_cache(maxsize=1)
-def _prctl() -> Callable[..., int] | None:
-    """libc's ``prctl`` (Linux), or ``None`` where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl
 
 
 def _parent_death_hook() -> Callable[[], None] | None:
@@ -67,7 +62,7 @@ def _parent_death_hook() -> Callable[[], None] | None:
     ``prctl`` is looked up here, before ``fork``, so the child only makes the
     system call and reads its parent pid (no imports, no locks).
     """
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:
         return None
     agent_pid = os.getpid()
@@ -144,12 +139,16 @@ class WorkerProcess:
         if stdout_target is subprocess.PIPE and self.popen.stdout is not None:
             self._stdout = StreamPump(self.popen.stdout, streams.stdout, stdout_console, streams.prefix,
                                       None, streams.stdout_filter)
+        self._seen_exit: float | None = None
         self._tree: list[psutil.Process] = []
         self._agent_signals: set[int] = set()
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or ``None`` while running."""
-        return self.popen.poll()
+        code = self.popen.poll()
+        if code is not None and self._seen_exit is None:
+            self._seen_exit = time.monotonic()
+        return code
 
     @property
     def stopped_by_agent(self) -> bool:
@@ -165,22 +164,26 @@ class WorkerProcess:
 
     @property
     def exited_at(self) -> float:
-        """Monotonic time the worker closed its stderr (about when it exited), else +inf."""
-        return self._stderr.eof_at if self._stderr.eof_at is not None else float("inf")
+        """Monotonic time the worker closed its stderr (about when it exited), else when :meth:`poll` first saw
+        it exited (a process it started may hold its stderr open), else +inf."""
+        if self._stderr.eof_at is not None:
+            return self._stderr.eof_at
+        return self._seen_exit if self._seen_exit is not None else float("inf")
 
     @property
     def exited_wall_time(self) -> float | None:
         """:attr:`exited_at` as wall-clock time (seconds since the epoch), or ``None`` while running."""
-        eof = self._stderr.eof_at
-        return None if eof is None else time.time() - (time.monotonic() - eof)
+        at = self.exited_at
+        return None if at == float("inf") else time.time() - (time.monotonic() - at)
 
     def error(self, max_lines: int = 5) -> str:
         """The first lines of the worker's error.
 
         From ``TORCHELASTIC_ERROR_FILE`` if the worker wrote one (torch's ``@record``),
-        otherwise from the end of its stderr. Waits up to 2 s for stderr to drain.
+        otherwise from the end of its stderr. Waits up to 2 s for stderr to drain (not for it to close: a
+        process the worker started may hold it open).
         """
-        self._stderr.join(2.0)
+        self._stderr.drain(2.0)
         message = _read_error_file(self.error_file)
         if message:
             return "\n".join(message.strip().splitlines()[:max_lines])
@@ -215,14 +218,15 @@ class WorkerProcess:
         return list(self._tree)
 
     def close(self, timeout: float = 2.0) -> None:
-        """Reap the process and wait for the output pumps (after it exited)."""
+        """Reap the process and wait up to ``timeout`` seconds each for its output pumps to drain (after it
+        exited); a pump whose pipe another process still holds keeps copying in the background."""
         try:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             pass
-        self._stderr.join(timeout)
+        self._stderr.drain(timeout)
         if self._stdout is not None:
-            self._stdout.join(timeout)
+            self._stdout.drain(timeout)
 
 
 def _read_error_file(path: str) -> str:
@@ -238,13 +242,6 @@ def _read_error_file(path: str) -> str:
     return message if isinstance(message, str) else ""
 
 
-def _alive(proc: psutil.Process) -> bool:
-    try:
-        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
-
-
 def _group_alive(pgid: int) -> bool:
     """True if any process is left in process group ``pgid``."""
     try:
@@ -256,22 +253,38 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, grace: float = 10.0,
+                   reaper: NodeReaper | None = None) -> None:
     """Stop ``workers`` and their process trees: ``sig``, up to ``grace`` seconds, then SIGKILL.
 
     Safe for workers that already exited (what is left of their process group
-    is stopped too). Waits until the workers, their process groups and their
-    known descendants are gone, at most ``grace`` seconds before the SIGKILL;
-    then reaps the workers and waits up to 5 s for their output pumps.
+    is stopped too). With ``reaper``, also every process the workers left
+    behind (:meth:`~rdzv_agent.reaper.NodeReaper.adopted`: those of earlier
+    groups included), reaped afterwards. Waits until the workers, their process
+    groups and their known descendants are gone, at most ``grace`` seconds
+    before the SIGKILL; then reaps the workers and waits up to 5 s for their
+    output pumps to drain.
     """
     descendants: list[psutil.Process] = []
     for w in workers:
         descendants += w.send(sig)[1:]
+    pids = {w.pid for w in workers}
+    adopted = reaper.adopted(pids) if reaper is not None else []
+    for proc in adopted:
+        try:
+            proc.send_signal(sig)
+        except psutil.Error:
+            pass
+    if adopted:
+        log.info("stopping %d processes the workers left behind: %s", len(adopted), sorted(p.pid for p in adopted))
+    descendants += adopted
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
+        if reaper is not None:  # what died after its worker is our zombie: it would keep the group "alive"
+            reaper.reap(pids, force=True)
         if (
             all(w.poll() is not None for w in workers)
-            and not any(_alive(p) for p in descendants)
+            and not any(alive(p) for p in descendants)
             and not any(_group_alive(w.pid) for w in workers)
         ):
             break
@@ -284,5 +297,8 @@ def stop_processes(workers: Sequence[WorkerProcess], sig: int = signal.SIGTERM, 
             p.kill()
         except psutil.Error:
             pass
+    if reaper is not None:
+        psutil.wait_procs(adopted, timeout=5.0)  # reaps our children; the others' zombies re-parent to us
+        reaper.reap(pids, force=True)
     for w in workers:
         w.close(timeout=5.0)

@@ -21,8 +21,10 @@ What happens to each stream of a worker (the files' places are the logs spec's,
 from __future__ import annotations
 
 import collections
+import fcntl
 import re
 import sys
+import termios
 import threading
 import time
 from enum import IntFlag
@@ -114,6 +116,7 @@ class StreamPump:
         self._prefix = prefix
         self._on_eof = on_eof
         self._tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._lines = 0  # lines handled so far (the pump's progress, for drain())
         self.eof_at: float | None = None
         self._thread = threading.Thread(target=self._pump, name=f"pump{prefix}", daemon=True)
         self._thread.start()
@@ -131,6 +134,7 @@ class StreamPump:
                     self._write_console(whole)
                 if self._duplicate is not None:
                     self._duplicate.offer(self._prefix, whole)
+                self._lines += 1
         except (OSError, ValueError):  # pipe or log closed under us at shutdown
             pass
         finally:
@@ -159,6 +163,41 @@ class StreamPump:
         """Wait up to ``timeout`` seconds for the pipe to close; True if it did."""
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def _pending(self) -> int:
+        """Bytes written to the pipe and not read yet (0 if that cannot be known: closed)."""
+        buf = bytearray(4)
+        try:
+            fcntl.ioctl(self._pipe.fileno(), termios.FIONREAD, buf)
+        except (OSError, ValueError):
+            return 0
+        return int.from_bytes(buf, sys.byteorder)
+
+    def drain(self, timeout: float, quiet: float = 0.1) -> bool:
+        """Wait up to ``timeout`` seconds until the pipe closed, or until everything written so far was handled.
+
+        For a writer that exited while another process (a helper it started) still holds the pipe open: the
+        pipe never closes while that process lives, but once nothing is left in it and the pump handled no
+        new line for ``quiet`` seconds, everything the exited writer wrote is in the log and in :meth:`tail`
+        (a last line without a line end excepted: it is handled when the pipe closes). The pump keeps
+        copying whatever comes later until the pipe closes.
+
+        Returns:
+            True if the pipe closed (the pump is done), False otherwise.
+        """
+        deadline = time.monotonic() + timeout
+        seen, since = self._lines, time.monotonic()
+        while True:
+            self._thread.join(min(0.02, max(0.0, deadline - time.monotonic())))
+            if not self._thread.is_alive():
+                return True
+            now = time.monotonic()
+            if self._lines != seen or self._pending():
+                seen, since = self._lines, now
+            elif now - since >= quiet:
+                return False
+            if now >= deadline:
+                return False
 
     def tail(self) -> list[str]:
         """The last lines read (without line ends)."""

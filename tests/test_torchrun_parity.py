@@ -38,6 +38,8 @@ RDZV_ONLY = {
                         "torchrun relies on python -u, which rdzv-run passes as well",
     "RDZV_PROGRESS_FILE": "where the worker reports its step (rdzv_agent.progress; torchrun has no progress view)",
     "RDZV_STACK_FILE": "where the worker's stacks go on a hang (rdzv-run --hang-timeout; torchrun has none)",
+    "RDZV_REAPER_TOKEN": "marks what the worker starts, stopped after a kill -9 of rdzv-run (rdzv_agent.reaper; "
+                         "torchrun stops nothing the workers start)",
 }
 
 DUMP = textwrap.dedent(

@@ -63,7 +63,7 @@ class Launcher:
                 "deadline = time.monotonic() + 300\n"
                 "while not os.path.exists(gate) and time.monotonic() < deadline:\n"
                 "    time.sleep(0.02)\n"
-                "sys.exit(main(sys.argv[1:]))\n"
+                "sys.exit(main())  # sys.argv[1:]: as the rdzv-run command (the node's reaper)\n"
             )
             cmd = [sys.executable, "-c", code, *argv]
         full_env = dict(os.environ)
