@@ -214,7 +214,7 @@ def test_a_configuration_recorded_as_the_run_closes_does_not_outlive_it(nodes, k
         return create(key, value, ttl)
 
     newcomer.kv.create = create_after_the_close  # type: ignore[method-assign]
-    assert check_run_config(newcomer.kv, keys, newcomer.rdzv.params) is None
+    assert check_run_config(newcomer.kv, keys, newcomer.rdzv.params) == (None, False)
     assert kv.get(keys.config) is None
     assert kv.get(keys.closed) is not None
 

@@ -18,7 +18,7 @@ from ..outage import OutageLog
 from .machine import RoundMachine
 from .params import RoundResult
 from .record import Status, encode_json, member_record, rank_of
-from .runconfig import check_run_config
+from .runconfig import check_run_config, shown
 from .steps import Backoff, Retry
 
 __all__ = ["Rendezvous"]
@@ -80,8 +80,11 @@ class Rendezvous(RoundMachine):
         while time.monotonic() < deadline:
             try:
                 if not checked:
-                    check_run_config(self.kv, self.keys, self.params)
+                    config, recorded = check_run_config(self.kv, self.keys, self.params)
                     checked = True
+                    if recorded and config is not None:
+                        self._log(logging.INFO, "recorded the run's configuration: %s",
+                                  ", ".join(f"{k}={shown(v)}" for k, v in config.as_dict().items()))
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result

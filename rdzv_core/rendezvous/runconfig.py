@@ -12,7 +12,6 @@ closing the run gives it the closed run's TTL with every other key (``Rendezvous
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from ..errors import CompareFailedError, KeyExistsError, KeyNotFoundError, RunConfigMismatchError
@@ -20,9 +19,7 @@ from ..kv import KVBackend
 from .params import RendezvousParams
 from .record import RUN_SETTINGS, RunConfig, RunKeys
 
-__all__ = ["config_of", "check_run_config", "record_run_config"]
-
-log = logging.getLogger("rdzv_core.rendezvous")
+__all__ = ["config_of", "check_run_config", "record_run_config", "mismatch_error", "shown"]
 
 #: Passes of :func:`check_run_config`; each lost one means the key was created or deleted meanwhile.
 _PASSES = 8
@@ -34,7 +31,7 @@ def config_of(params: RendezvousParams) -> RunConfig:
                      params.rank_policy, None if params.closed_run_ttl is None else float(params.closed_run_ttl))
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A setting's value as written in a URL (``none`` for ``None``, ``5`` for 5.0)."""
     if value is None:
         return "none"
@@ -47,9 +44,9 @@ def mismatch_error(run_id: str, differences: tuple[tuple[str, Any, Any], ...],
                    run: RunConfig) -> RunConfigMismatchError:
     """The error for a node whose settings differ from the run's ``run`` (``differences``: as
     :meth:`RunConfig.differences`, not empty): every differing setting, both values, and what to do."""
-    first = "; ".join(f"{name}={_shown(mine)} differs from the run's {name}={_shown(theirs)}"
+    first = "; ".join(f"{name}={shown(mine)} differs from the run's {name}={shown(theirs)}"
                       for name, mine, theirs in differences)
-    fix = ", ".join(f"{name}={_shown(theirs)}" for name, _, theirs in differences)
+    fix = ", ".join(f"{name}={shown(theirs)}" for name, _, theirs in differences)
     nnodes = f" (--nnodes {run.min_nodes}:{run.max_nodes})" if {"min_nodes", "max_nodes"} & {
         name for name, _, _ in differences} else ""
     message = (f"run {run_id}: {first} (set when the run was created); every node of a run must use the same "
@@ -58,7 +55,7 @@ def mismatch_error(run_id: str, differences: tuple[tuple[str, Any, Any], ...],
     return RunConfigMismatchError(run_id, differences, message)
 
 
-def check_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> RunConfig | None:
+def check_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> tuple[RunConfig | None, bool]:
     """Check this node's run settings against the run's configuration, recording them if the run has none.
 
     Reads ``ROOT/state/`` once (a second read and a write only for the node that records). A closed run is
@@ -67,8 +64,8 @@ def check_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> 
     given before it existed).
 
     Returns:
-        the run's configuration (this node's, if it recorded it), or ``None``: the run is closed, or the
-        key kept being created and deleted under this node (it then goes on unchecked).
+        ``(the run's configuration, whether this call recorded it)``; the configuration is ``None`` when the
+        run is closed, or the key kept being created and deleted under this node (it then goes on unchecked).
 
     Raises:
         RunConfigMismatchError: a setting of ``params`` differs from the run's (nothing was written).
@@ -79,14 +76,14 @@ def check_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> 
     for _ in range(_PASSES):
         found = {e.key: e for e in kv.list(keys.state_dir)[0]}
         if keys.closed in found:
-            return None
+            return None, False
         entry = found.get(keys.config)
         if entry is not None:
             run = RunConfig.decode(entry)
             differences = mine.differences(run)
             if differences:
                 raise mismatch_error(keys.run_id, differences, run)
-            return run
+            return run, False
         try:
             created = kv.create(keys.config, mine.encode())
         except KeyExistsError:
@@ -96,11 +93,9 @@ def check_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> 
                 kv.compare_and_delete(keys.config, created.revision)
             except (CompareFailedError, KeyNotFoundError):
                 pass
-            return None
-        log.info("run=%s: recorded the run's configuration: %s", keys.run_id,
-                 ", ".join(f"{k}={_shown(v)}" for k, v in mine.as_dict().items()))
-        return mine
-    return None
+            return None, False
+        return mine, True
+    return None, False
 
 
 def record_run_config(kv: KVBackend, keys: RunKeys, params: RendezvousParams) -> bool:
