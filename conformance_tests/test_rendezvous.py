@@ -368,9 +368,10 @@ def test_leaving_member_lets_others_reform_promptly(agents) -> None:
 
 
 def test_closed_run_refuses_new_rounds(agents) -> None:
-    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
+    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=3)]
     _assert_round(_wait_all(group), 2)
-    waiting = agents(1, min_nodes=3, max_nodes=3)[0].start()  # would wait forever for a 3rd node
+    waiting = agents(1, min_nodes=2, max_nodes=3)[0].start()  # a late node: waits until the members re-form
+    _until_true(lambda: group[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
     group[0].rdzv.set_closed()
     assert group[1].rdzv.is_closed()
     with pytest.raises(RendezvousClosed):
@@ -525,7 +526,7 @@ def test_a_finished_member_leaves_without_breaking_the_round(agents, capabilitie
     r1 = _wait_all(group)
     before = group[1].rdzv.describe()
     group[0].rdzv.leave(finished=True)
-    spare = agents(1, min_nodes=2, max_nodes=3)[0].start()
+    spare = agents(1, min_nodes=2, max_nodes=3, last_call_timeout=0.3)[0].start()
     _until_true(lambda: group[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     time.sleep(TTL + capabilities.ttl_resolution + 1.0)  # asserted: nothing happens (a plain key would lapse)
     after = group[1].rdzv.describe()

@@ -32,6 +32,11 @@ Exit status, and what happens to the run (as with ``torchrun``, whose
   ``shutdown()`` closes the run, so the job ends on every node;
 * 2 — bad arguments or URL, a bad operations-hook variable or a taken health-check port
   (``docs/operations.md``; one line on stderr); the run is left open (``release()``);
+* 2 — refused by the run: a setting every node must share (``min_nodes``/``max_nodes`` from
+  ``--nnodes``, ``last_call_timeout``, ``keep_alive_ttl``, ``rank_policy``, ``closed_run_ttl``)
+  differs from the one the run recorded when it was created (``RunConfigMismatchError``, one line
+  on stderr naming the setting and both values); checked before the node joins anything, and the
+  run is left open (``release()``): the other nodes carry on;
 * 128 + N — stopped by signal N (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP,
   SIGQUIT as torchrun; the workers get the list in ``TORCHELASTIC_SIGNALS_TO_HANDLE``): the signal is forwarded
   to the workers, they are stopped, and ``release()`` leaves the rendezvous
@@ -367,6 +372,10 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
             code, outcome = EXIT_FAILURE, f"rendezvous timed out: {exc}"
         except RendezvousClosedError as exc:
             code, outcome = EXIT_FAILURE, f"the run is closed (finished or closed by another node): {exc}"
+        except rdzv_core.RunConfigMismatchError as exc:  # before joining: the others are not disturbed
+            close = False
+            code, outcome = EXIT_USAGE, f"refused by the run: {exc}"
+            sys.stderr.write(f"rdzv-run: error: {exc}\n")
         except (RendezvousError, rdzv_core.RdzvError) as exc:
             code, outcome = EXIT_FAILURE, f"rendezvous failed: {type(exc).__name__}: {exc}"
         except SignalException as exc:

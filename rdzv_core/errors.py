@@ -19,7 +19,8 @@
     │   │   └── InvalidKeyError          a key or prefix outside the key grammar
     │   ├── InvalidURLError              a rendezvous URL or one of its query values
     │   ├── UnknownBackendError          no installed backend claims the URL's scheme
-    │   └── UnsuitableServerError        the server is set up so the backend cannot be used safely
+    │   ├── UnsuitableServerError        the server is set up so the backend cannot be used safely
+    │   └── RunConfigMismatchError       a setting differs from the one the run recorded when it was created
     ├── PluginError                      two distributions claim one scheme
     ├── RendezvousClosedError            the run was closed (``set_closed``)
     │   └── RendezvousGracefulExitError  ... while this node waited as a spare (exit successfully)
@@ -60,6 +61,7 @@ __all__ = [
     "InvalidURLError",
     "UnknownBackendError",
     "UnsuitableServerError",
+    "RunConfigMismatchError",
     "PluginError",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",
@@ -248,6 +250,27 @@ class UnsuitableServerError(ConfigError):
 
     def __init__(self, field: str, value: Any, message: str) -> None:
         self.field, self.value, self.reason = field, value, message
+        RdzvError.__init__(self, message)
+
+
+class RunConfigMismatchError(ConfigError):
+    """This node's value of a setting every node of a run must share (``min_nodes``, ``max_nodes``,
+    ``last_call_timeout``, ...: ``rdzv_core.rendezvous.record.RUN_SETTINGS``) differs from the value the
+    run recorded when it was created (``ROOT/state/config``). Raised by ``Rendezvous.next_round`` before
+    the node takes a ticket or counts as waiting: the run and its round are not touched.
+
+    Attributes:
+        run_id: the run (str).
+        field: the first differing setting (str).
+        value: this node's value of it.
+        run_value: the run's value of it.
+        differences: every differing setting, ``((field, this node's value, the run's value), ...)``.
+        reason: the whole message (str).
+    """
+
+    def __init__(self, run_id: str, differences: tuple[tuple[str, Any, Any], ...], message: str) -> None:
+        self.run_id, self.differences, self.reason = run_id, differences, message
+        self.field, self.value, self.run_value = differences[0]
         RdzvError.__init__(self, message)
 
 

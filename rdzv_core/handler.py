@@ -133,6 +133,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._store_timeout = datetime.timedelta(seconds=store_timeout)
         self._ended: str | None = None  # None, "shut" (shutdown) or "released" (release)
         self._closed_ok = False
+        self._refused = False  # next_rendezvous raised RunConfigMismatchError: shutdown() leaves the run open
         self._waiting_outage = OutageLog(log.log)
         self._progress_outage = OutageLog(log.log)
         self._rdzv.on_keepalive = self._keep_alive
@@ -226,7 +227,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
         node, run_id = self._rdzv.node_id, self._rdzv.run_id
         self._record("next_rendezvous", f"The node '{node}' attempts to join the next round of the rendezvous "
                                         f"'{run_id}'.")
-        result = self._rdzv.next_round()
+        try:
+            result = self._rdzv.next_round()
+        except errors.RunConfigMismatchError:
+            self._refused = True  # this node never joined: its end must not end the run for the others
+            raise
         prefix = self._rdzv.store_prefix(result.version, result.round_id)
         store = _RoundStore(self._kv, prefix, self._store_timeout, on_exit_barrier=self._rdzv.mark_finished)
         # Rank 0 publishes MASTER_ADDR/MASTER_PORT; the others wait for it at most
@@ -319,6 +324,9 @@ class RdzvHandler(torch_api.RendezvousHandler):
         is unreachable is retried for up to :data:`SHUTDOWN_RETRY` seconds (at most the
         rendezvous ``timeout``).
 
+        A node refused because its settings differ from the run's (``next_rendezvous`` raised
+        ``RunConfigMismatchError``) never joined: it leaves the run open and returns ``False``.
+
         Idempotent: later calls return the first call's result. After
         :meth:`release` the backend is gone, so it cannot close the run: it logs a
         WARNING and returns ``False``.
@@ -335,6 +343,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
                 return False
             return self._closed_ok
         self._ended = "shut"
+        if self._refused:
+            log.info("run %s: this node was refused (its settings differ from the run's); leaving the run open",
+                     self._rdzv.run_id)
+            self._leave_and_release()
+            return False
         retry = min(SHUTDOWN_RETRY, self.params.timeout)
         deadline = time.monotonic() + retry
         while True:

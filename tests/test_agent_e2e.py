@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 import uuid
 
 import pytest
@@ -137,3 +138,30 @@ def test_sigterm_to_one_node_does_not_close_the_run(cluster):
         assert handler.is_closed()  # the successful node closed the run
     finally:
         handler.shutdown()
+
+
+def test_a_node_with_other_nnodes_is_refused_with_exit_2_and_the_others_train_on(cluster, tmp_path):
+    """Two nodes train with ``--nnodes 2:3``; a third starts with ``--nnodes 2:2``: it exits 2 at once, naming
+    ``max_nodes`` and both values, without joining or closing the run; the two train on undisturbed (one
+    round) and end with 0. Before, the two kinds of node formed rounds together until one failed and closed
+    the run for all."""
+    gate = str(tmp_path / "mismatched-may-join")
+    pair = [cluster.node(f"node{i}", "2:3", epochs=16) for i in range(2)]
+    odd = cluster.node("odd", "2:2", epochs=16, gate=gate)  # imports now, starts on cue
+    wait_until(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
+    opened = time.monotonic()
+    open(gate, "w").close()
+    assert odd.wait(60) == 2, cluster.tails()
+    assert time.monotonic() - opened < 5.0, cluster.tails()
+    assert "max_nodes=2 differs from the run's max_nodes=3" in odd.stderr(), odd.tail()
+    handler = create_handler(cluster.url)
+    try:
+        assert not handler.is_closed()  # the refused node left the run as it was
+    finally:
+        handler.release()
+
+    for n in pair:
+        assert n.wait(FINISH) == 0, cluster.tails()
+    last_node, accuracy = cluster.final(pair)
+    assert ints_after("WORLD_SIZE_SEEN", last_node.stdout()) == [2]  # one round: nobody re-formed
+    assert accuracy >= 0.90

@@ -245,3 +245,21 @@ def test_create_handler_takes_a_parsed_url(base: str) -> None:
     assert handler.get_run_id() == parsed.run_id and handler.params.last_call_timeout == 0.3
     assert handler.next_rendezvous().world_size == 1
     assert handler.shutdown() is True
+
+
+def test_a_node_refused_for_its_settings_does_not_close_the_run_at_shutdown(base: str) -> None:
+    """torchrun calls ``shutdown()`` when its agent ends on the refusal: the run stays open for the others."""
+    url = _url(base, min_nodes=1, max_nodes=2)
+    member = create_handler(url, local_addr="127.0.0.1")
+    info = member.next_rendezvous()
+    version = member.rendezvous.current.version  # type: ignore[union-attr]
+    refused = create_handler(url.replace("max_nodes=2", "max_nodes=1"), local_addr="127.0.0.1")
+    with pytest.raises(ConfigError) as error:
+        refused.next_rendezvous()
+    assert (error.value.field, error.value.value, getattr(error.value, "run_value", None)) == ("max_nodes", 1, 2)
+    assert refused.shutdown() is False
+    assert not member.is_closed()
+    assert member.num_nodes_waiting() == 0
+    assert member.rendezvous.describe()["version"] == version
+    info.store.set("still", b"here")  # the member's round and its store are as they were
+    assert member.shutdown() is True  # the member, when its job ends, closes the run as always

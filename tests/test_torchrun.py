@@ -171,3 +171,57 @@ def test_torchrun_parameters_build_the_url_without_parsing_text() -> None:
         with pytest.raises(InvalidURLError) as info:
             rendezvous_url("file", params)
         assert info.value.field == "path"
+
+
+WAITER = textwrap.dedent(
+    """
+    import os, pathlib, sys, time
+    with open(sys.argv[1], "a") as f:
+        f.write("started\\n")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(sys.argv[2]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    """
+)
+
+
+@pytest.mark.slow
+def test_torchrun_refused_for_its_settings_leaves_the_run_and_its_round_alone(tmp_path) -> None:
+    """A torchrun node with ``--nnodes 1:1`` in a run created with ``1:2``: torch's launch_agent ends on the
+    refusal (exit 1, torchrun's code for any error) and calls ``shutdown()``, which must not close the run;
+    the member's workers are not restarted and its job ends with 0."""
+    script, started, release = tmp_path / "waiter.py", tmp_path / "started", tmp_path / "release"
+    script.write_text(WAITER)
+    endpoint, run_id = str(tmp_path / "store"), f"tr{uuid.uuid4().hex[:8]}"
+
+    def torchrun(nnodes: str) -> subprocess.Popen[bytes]:
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", "1",
+            "--rdzv-backend", "rdzv-file", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", "last_call_timeout=0.5,keep_alive_ttl=2,join_timeout=90", "--monitor-interval", "0.5",
+            str(script), str(started), str(release),
+        ]
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    member = torchrun("1:2")
+    procs = [member]
+    try:
+        wait_until(started.exists, 120, "the member's worker to start", lambda: f"alive: {member.poll() is None}")
+        refused = torchrun("1:1")
+        procs.append(refused)
+        _, err = refused.communicate(timeout=120)
+        text = err.decode(errors="replace")
+        assert refused.returncode == 1, text[-3000:]
+        assert "max_nodes=1 differs from the run's max_nodes=2" in text, text[-3000:]
+        assert not _run_is_closed("rdzv-file", endpoint, run_id)
+        release.touch()
+        _, err = member.communicate(timeout=120)
+        assert member.returncode == 0, err.decode(errors="replace")[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(30)
+    assert started.read_text() == "started\n"  # the member's workers ran once: no re-rendezvous
+    assert _run_is_closed("rdzv-file", endpoint, run_id)  # the member closed it at its end, as always

@@ -2,7 +2,8 @@
 
 Modules: :mod:`.record` (the round record :class:`RoundRecord`, its :class:`Status`, the run's
 key map :class:`RunKeys`), :mod:`.params` (:class:`RendezvousParams`, :class:`RoundResult`,
-:class:`Progress`), :mod:`.steps` (the decisions, apart from I/O), :mod:`.machine` (the phases
+:class:`Progress`), :mod:`.runconfig` (the run's configuration: the settings every node must share),
+:mod:`.steps` (the decisions, apart from I/O), :mod:`.machine` (the phases
 of a round and their I/O), :mod:`.node` (:class:`Rendezvous`, the public API). The states,
 keys and design are described in ``docs/design.md``.
 """

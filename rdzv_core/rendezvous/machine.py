@@ -40,6 +40,7 @@ from .state_io import RoundIO, restore_round
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
+from .runconfig import record_run_config
 from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
@@ -501,6 +502,8 @@ class RoundMachine(RoundIO):
         away = evidence is None or time.monotonic() - evidence.last_break <= self.params.keep_alive_ttl * 4 / 3
         try:
             done = restore_round(self.kv, self.keys, watched.record, recreate=away)
+            if done == "restored":  # the run's keys were lost: its configuration too (this member's matched it)
+                record_run_config(self.kv, self.keys, self.params)
         except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
             if not quiet:
                 raise

@@ -18,6 +18,7 @@ from ..outage import OutageLog
 from .machine import RoundMachine
 from .params import RoundResult
 from .record import Status, encode_json, member_record, rank_of
+from .runconfig import check_run_config, shown
 from .steps import Backoff, Retry
 
 __all__ = ["Rendezvous"]
@@ -54,7 +55,10 @@ class Rendezvous(RoundMachine):
                 closed while this node waited as a spare).
             RendezvousTimeoutError: no round within ``params.timeout`` seconds (time spent
                 waiting as a spare, for a full round to lose a member, does not count).
-            RendezvousStateError: the stored round record is corrupt.
+            RendezvousStateError: the stored round record or run configuration is corrupt.
+            RunConfigMismatchError: a setting every node of the run must share differs from the
+                run's (``runconfig``): raised before this node takes a ticket or counts as
+                waiting; the run is not touched.
             BackendUnavailableError: the backend was unreachable at the deadline (the last
                 attempt failed on it; if it answered since, the timeout is raised instead).
         """
@@ -72,8 +76,15 @@ class Rendezvous(RoundMachine):
         backoff = Backoff()
         last_error: BackendUnavailableError | None = None
         outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
+        checked = False  # the run's configuration, once per next_round, before anything is joined
         while time.monotonic() < deadline:
             try:
+                if not checked:
+                    config, recorded = check_run_config(self.kv, self.keys, self.params)
+                    checked = True
+                    if recorded and config is not None:
+                        self._log(logging.INFO, "recorded the run's configuration: %s",
+                                  ", ".join(f"{k}={shown(v)}" for k, v in config.as_dict().items()))
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result

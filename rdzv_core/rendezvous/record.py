@@ -4,6 +4,7 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
 
     ROOT/state/round            JSON round record (the only key compare-and-swapped)
     ROOT/state/closed           present once the run is closed: {"closed": UNIX_TIME}, TTL closed_run_ttl
+    ROOT/state/config           the run's configuration (RunConfig), created by the run's first node
     ROOT/counter/version        round version counter
     ROOT/v_V.ID/joined          join tickets of round V (ticket t -> slot t-1; the group rank with rank_policy=join)
     ROOT/v_V.ID/confirmed       confirmations of round V (tickets)
@@ -31,8 +32,8 @@ from ..errors import RendezvousStateError
 from ..kv import Entry, escape_segment, join_key
 from ..url import RANK_POLICIES, validate_run_id
 
-__all__ = ["Status", "RoundRecord", "RunKeys", "round_segment", "member_record", "missing_ranks",
-           "encode_json", "MAX_STATE_BYTES"]
+__all__ = ["Status", "RoundRecord", "RunConfig", "RUN_SETTINGS", "RunKeys", "round_segment", "member_record",
+           "missing_ranks", "encode_json", "MAX_STATE_BYTES"]
 
 #: Bytes a round record may have at most (a larger one is corrupt).
 MAX_STATE_BYTES = 4096
@@ -108,14 +109,7 @@ class RoundRecord:
                 ``id`` or (frozen, final) ``participants``; names ``entry.key``.
         """
         key = entry.key
-        if len(entry.value) > MAX_STATE_BYTES:
-            raise RendezvousStateError(
-                f"round record at {key!r} is {len(entry.value)} bytes (> {MAX_STATE_BYTES}); reset the run's state",
-                key)
-        try:
-            state = json.loads(entry.value.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
-            raise RendezvousStateError(f"round record at {key!r} is not JSON: {entry.value[:60]!r}", key) from None
+        state = _load_json(entry, "round record")
         if not isinstance(state, dict) or state.get("status") not in _STORED:
             raise RendezvousStateError(f"round record at {key!r} has no valid 'status': {state!r:.120}", key)
         status = _STORED[state["status"]]
@@ -137,11 +131,100 @@ class RoundRecord:
         return cls(status, version, rid, participants, None if last_call is None else str(last_call), ranks)
 
 
-def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1) -> int:
+def _load_json(entry: Entry, what: str) -> Any:
+    """The JSON value stored in ``entry`` (a ``what``: "round record", ...).
+
+    Raises:
+        RendezvousStateError: larger than :data:`MAX_STATE_BYTES`, or not UTF-8 JSON; names ``entry.key``.
+    """
+    key = entry.key
+    if len(entry.value) > MAX_STATE_BYTES:
+        raise RendezvousStateError(f"{what} at {key!r} is {len(entry.value)} bytes (> {MAX_STATE_BYTES}); "
+                                   "reset the run's state", key)
+    try:
+        return json.loads(entry.value.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise RendezvousStateError(f"{what} at {key!r} is not JSON: {entry.value[:60]!r}", key) from None
+
+
+def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1, what: str = "round record") -> int:
     value = state.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise RendezvousStateError(f"round record at {key!r}: {name!r} must be an int >= {minimum}, got {value!r}", key)
+        raise RendezvousStateError(f"{what} at {key!r}: {name!r} must be an int >= {minimum}, got {value!r}", key)
     return value
+
+
+#: The settings every node of a run must share, in the order a mismatch is reported (``RunConfig``).
+RUN_SETTINGS = ("min_nodes", "max_nodes", "last_call_timeout", "keep_alive_ttl", "rank_policy", "closed_run_ttl")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run's configuration ``ROOT/state/config``: the settings every node of the run must share
+    (:data:`RUN_SETTINGS`), recorded by the node that created the run (``rdzv_core.rendezvous.runconfig``).
+
+    Attributes:
+        min_nodes, max_nodes: node counts (int >= 1, ``min_nodes <= max_nodes``).
+        last_call_timeout, keep_alive_ttl: seconds (float > 0).
+        rank_policy: ``join``, ``stable`` or ``topology``.
+        closed_run_ttl: seconds a closed run's keys are kept (float > 0), ``None``: until deleted.
+    """
+
+    min_nodes: int
+    max_nodes: int
+    last_call_timeout: float
+    keep_alive_ttl: float
+    rank_policy: str
+    closed_run_ttl: float | None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The configuration as stored: a JSON object of :data:`RUN_SETTINGS` (``closed_run_ttl`` ``None``
+        is ``null``)."""
+        return {name: getattr(self, name) for name in RUN_SETTINGS}
+
+    def encode(self) -> bytes:
+        """The stored bytes (:func:`encode_json` of :meth:`as_dict`)."""
+        return encode_json(self.as_dict())
+
+    def differences(self, run: "RunConfig") -> tuple[tuple[str, Any, Any], ...]:
+        """``((field, this value, run's value), ...)`` for every setting of :data:`RUN_SETTINGS` in which
+        this configuration (a node's) differs from ``run`` (numbers compare by value: ``5 == 5.0``)."""
+        return tuple((name, getattr(self, name), getattr(run, name)) for name in RUN_SETTINGS
+                     if getattr(self, name) != getattr(run, name))
+
+    @classmethod
+    def decode(cls, entry: Entry) -> "RunConfig":
+        """Parse and check the run's configuration in ``entry``; keys other than :data:`RUN_SETTINGS`
+        (a newer version's) are ignored.
+
+        Raises:
+            RendezvousStateError: too large, not a JSON object, or a setting missing or out of range;
+                names ``entry.key``.
+        """
+        key, what = entry.key, "run configuration"
+        state = _load_json(entry, what)
+        if not isinstance(state, dict):
+            raise RendezvousStateError(f"{what} at {key!r} is not a JSON object: {state!r:.120}", key)
+        low, high = _int_field(state, "min_nodes", key, what=what), _int_field(state, "max_nodes", key, what=what)
+        if low > high:
+            raise RendezvousStateError(f"{what} at {key!r}: min_nodes={low} > max_nodes={high}", key)
+        seconds: list[float | None] = []
+        for name in ("last_call_timeout", "keep_alive_ttl", "closed_run_ttl"):
+            value = state.get(name)
+            if value is None and name == "closed_run_ttl":
+                seconds.append(None)
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1e7:
+                raise RendezvousStateError(f"{what} at {key!r}: {name!r} must be a number of seconds > 0 and "
+                                           f"<= 1e7, got {value!r:.80}", key)
+            seconds.append(float(value))
+        policy = state.get("rank_policy")
+        if policy not in RANK_POLICIES:
+            raise RendezvousStateError(f"{what} at {key!r}: 'rank_policy' must be a rank policy, got {policy!r:.80}",
+                                       key)
+        last_call, ttl = seconds[0], seconds[1]
+        assert last_call is not None and ttl is not None  # only closed_run_ttl may be None
+        return cls(low, high, last_call, ttl, str(policy), seconds[2])
 
 
 def round_segment(version: int, rid: str | None) -> str:
@@ -170,15 +253,17 @@ class RunKeys:
     run_id: str
     root: str = dataclasses.field(init=False)  #: ``PREFIX/run_RUN_ID``
     tree: str = dataclasses.field(init=False)  #: ``ROOT/``: every key of the run
-    state_dir: str = dataclasses.field(init=False)  #: ``ROOT/state/``: the round record and the closed mark
+    state_dir: str = dataclasses.field(init=False)  #: ``ROOT/state/``: the round record, closed mark and config
     round_record: str = dataclasses.field(init=False)  #: ``ROOT/state/round``
     closed: str = dataclasses.field(init=False)  #: ``ROOT/state/closed``
+    config: str = dataclasses.field(init=False)  #: ``ROOT/state/config``: the run's configuration
     version_counter: str = dataclasses.field(init=False)  #: ``ROOT/counter/version``
 
     def __post_init__(self) -> None:
         root = join_key(self.prefix, "run_" + validate_run_id(self.run_id))
         for name, value in (("root", root), ("tree", root + "/"), ("state_dir", root + "/state/"),
                             ("round_record", root + "/state/round"), ("closed", root + "/state/closed"),
+                            ("config", root + "/state/config"),
                             ("version_counter", root + "/counter/version")):
             object.__setattr__(self, name, value)
 
