@@ -1,0 +1,116 @@
+"""A member's side of a final round: its keep-alive key, its round watch, and its recovery after an outage.
+
+:class:`Membership` is the part of :class:`~rdzv_core.rendezvous.machine.RoundMachine` that runs while
+the node is a member: it keeps the member's key alive (:class:`~rdzv_core.keepalive.KeepAlive`),
+subscribes to the round's lapse watch (:mod:`rdzv_core.roundwatch`) with the keep-alive's evidence of
+the backend's answers, and re-establishes the round where the backend lost it (``docs/design.md``,
+"The backend away").
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from .. import roundwatch
+from ..errors import BackendClosedError, BackendUnavailableError, RendezvousStateError
+from ..keepalive import KeepAlive
+from ..outage import Responsiveness
+from .params import RendezvousParams, RoundResult
+from .record import encode_json
+from .runconfig import record_run_config
+from .state_io import RoundIO, restore_round
+
+__all__ = ["Membership"]
+
+
+class Membership(RoundIO):
+    """Keep-alive, lapse watch and outage recovery of this node's membership (see the module)."""
+
+    params: RendezvousParams
+    on_keepalive: Callable[[BaseException | None], object] | None
+    _keepalive: KeepAlive | None
+    _alive_key: str | None
+    _final_ranks: str | None
+    _evidence: Responsiveness | None
+    _watched: roundwatch.WatchedRound | None
+
+    def _watch_round(self, result: RoundResult) -> None:
+        """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
+        self._unwatch_round()
+        self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
+                                                self.params.keep_alive_ttl, self._final_ranks)
+        roundwatch.subscribe(self, self.kv, self._watched, self._answering_since)
+
+    def _answering_since(self) -> float:
+        """Since when (monotonic) this member's keep-alive saw the backend answer without a break."""
+        evidence = self._evidence
+        return evidence.since if evidence is not None else time.monotonic()
+
+    def _unwatch_round(self) -> None:
+        if self._watched is not None:
+            roundwatch.unsubscribe(self, self._watched)
+            self._watched = None
+
+    def _start_keepalive(self, key: str, info: dict[str, Any], name: str) -> KeepAlive:
+        """Keep this member's key ``key`` (value ``info``) alive; a lapse of it calls :meth:`_own_key_lapsed`."""
+        keepalive = KeepAlive(self.kv, key, self.params.keep_alive_ttl, value=encode_json(info), name=name,
+                              on_refresh=self.on_keepalive, on_lapse=lambda: self._own_key_lapsed(key))
+        self._evidence = keepalive.responsiveness
+        return keepalive
+
+    def _own_key_lapsed(self, key: str) -> None:
+        """This member's keep-alive ``key`` was found gone (the backend lost it, or this node was away longer
+        than ``keep_alive_ttl``); it is written again next. If it is a key of this node's final round,
+        re-establish the round where the backend lost it (:meth:`_restore_round`); where the others ended it,
+        ``num_nodes_waiting`` tells the agent. On a refresh thread."""
+        watched = self._watched
+        if watched is None or not key.startswith(watched.alive_prefix):
+            return  # not final yet (the key is written again and the round goes on), or another round
+        self._restore_round()
+
+    def _restore_round(self, quiet: bool = True) -> bool:
+        """Re-establish this member's final round if the backend lost its record
+        (:func:`~.state_io.restore_round`): whether the round stands. A lost record is written again only
+        after an outage this member's keep-alive saw within the last ``4/3 x keep_alive_ttl`` (a failed or
+        stalled refresh). With ``quiet``, backend errors are logged and give ``False``; else they are raised.
+
+        Raises:
+            BackendUnavailableError, BackendClosedError, RendezvousStateError: not ``quiet``, from the backend.
+        """
+        watched = self._watched
+        if watched is None:
+            return False
+        evidence = self._evidence
+        # Keys that vanish while the backend answers all along were deleted on purpose (rdzv reset): a lost
+        # record is written again only after an outage this member saw; a final round found frozen again
+        # (nobody ever makes a final round frozen) is repaired always.
+        away = evidence is None or time.monotonic() - evidence.last_break <= self.params.keep_alive_ttl * 4 / 3
+        try:
+            done = restore_round(self.kv, self.keys, watched.record, recreate=away)
+            if done == "restored":  # the run's keys were lost: its configuration too (this member's matched it)
+                record_run_config(self.kv, self.keys, self.params)
+        except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
+            if not quiet:
+                raise
+            self._log(logging.WARNING, "could not check this node's round after a lapse: %s", exc,
+                      version=watched.version)
+            return False
+        if done in ("restored", "repaired"):
+            self._log(logging.WARNING, "the backend lost this round's %s (restarted empty or failed over?): "
+                      "re-established it, same members and ranks", "record" if done == "restored" else
+                      "final state", version=watched.version)
+        return done is not None
+
+    def _stop_keepalive(self, delete: bool, forget: bool = True) -> None:
+        if self._keepalive is not None:
+            self._keepalive.stop()
+            self._keepalive = None
+        if delete and self._alive_key is not None:
+            try:
+                self.kv.delete(self._alive_key)
+            except (BackendUnavailableError, BackendClosedError) as exc:
+                self._log(logging.WARNING, "could not delete the keep-alive key (it will lapse): %s", exc)
+        if forget:
+            self._alive_key = None
