@@ -15,6 +15,8 @@ project's are prefixed with ``rdzv-``::
 rdzv-etcd             etcd (v2 API)          HOST:PORT[,HOST:PORT...]
 rdzv-etcd-v3          etcd-v3                HOST:PORT[,HOST:PORT...]
 rdzv-redis            redis                  HOST:PORT
+rdzv-redis-sentinel   redis+sentinel         SENTINEL:PORT[,SENTINEL:PORT...]
+                                             (``--rdzv-conf master_name=NAME``)
 rdzv-file             file                   an absolute directory path
 rdzv-memory           memory                 a keyspace name (one process only)
 ====================  =====================  =====================================
@@ -49,7 +51,7 @@ if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
 __all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES",
-           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "file", "memory"]
+           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
 
 log = logging.getLogger(__name__)
 
@@ -196,5 +198,6 @@ def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "Re
 etcd = _creator("etcd")
 etcd_v3 = _creator("etcd-v3")
 redis = _creator("redis")
+redis_sentinel = _creator("redis+sentinel")
 file = _creator("file")
 memory = _creator("memory")

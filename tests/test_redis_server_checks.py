@@ -170,3 +170,14 @@ def test_acl_user_without_info_opens_with_a_warning(evicting: RedisServer) -> No
     with open_backend(f"redis://{user}:pw@{evicting.address}/job") as kv:
         assert len(kv.server_warnings) == 1 and "+info" in kv.server_warnings[0]
         kv.put("t/" + uuid.uuid4().hex, b"v")
+
+
+def test_a_replica_is_refused_at_open_naming_its_master(noeviction: RedisServer) -> None:
+    """``redis://`` pointed at a read-only replica: refused at once (``field`` ``role``), naming the master and
+    Sentinel, instead of the first write failing as a corrupt bookkeeping key; ``rdzv check`` fails on it."""
+    replica = RedisServer(appendonly=False, extra_args=("--replicaof", noeviction.host, str(noeviction.port)))
+    for _ in _serve(replica):
+        exc, seconds = _refused(replica.url("job"))
+        assert (exc.field, exc.value) == ("role", "replica") and seconds < FAST
+        assert f"{noeviction.host}:{noeviction.port}" in str(exc) and "redis+sentinel://" in str(exc)
+        assert _rdzv("check", replica.url()).returncode == 1

@@ -132,6 +132,24 @@ def test_rdzv_conf_maps_to_url() -> None:
     assert parsed.params == {"min_nodes": 2, "max_nodes": 3, "last_call_timeout": 5.0, "timeout": 60.0}
 
 
+def test_the_sentinel_handler_takes_every_sentinel_and_the_master_name() -> None:
+    """``--rdzv-backend rdzv-redis-sentinel --rdzv-endpoint S1,S2 --rdzv-conf master_name=NAME``: every sentinel
+    in the URL, the master name as its query key (entry point registered for torchrun)."""
+    from importlib.metadata import entry_points
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    from rdzv_core import parse_backend_url
+    from rdzv_core.torchrun import handler_url
+
+    assert any(ep.name == "rdzv-redis-sentinel" for ep in entry_points(group="torchrun.handlers"))
+    params = RendezvousParameters(backend="rdzv-redis-sentinel", endpoint="127.0.0.1:26379,127.0.0.1:26380",
+                                  run_id="job", min_nodes=1, max_nodes=2, master_name="mymaster")
+    url = handler_url("redis+sentinel", params)
+    assert url.startswith("redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/job?")
+    assert parse_backend_url(url)[1].params["master_name"] == "mymaster"
+
+
 @pytest.mark.parametrize("run_id", ["../x", "a/b", ""])
 def test_a_bad_rdzv_id_is_blamed_on_the_run_id_not_the_endpoint(run_id: str) -> None:
     """``--rdzv-id ../x`` with rdzv-file used to be reported as a bad directory (``path``)."""

@@ -7,6 +7,8 @@
 * **Cluster mode** (``cluster_enabled:1``): every write is one Lua script over this backend's
   bookkeeping keys, which a cluster spreads over slots of different nodes, and a cluster's
   asynchronous replication can lose acknowledged writes on failover. Always refused.
+* **A replica** (``role:slave``): it refuses every write (``READONLY``). Always refused, naming its
+  master.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def check_server(info: Mapping[str, str], where: str, allow_eviction: bool) -> t
         at WARNING too.
 
     Raises:
-        UnsuitableServerError: cluster mode (``field`` ``cluster_enabled``); an evicting server without
-            ``allow_eviction`` (``field`` ``maxmemory-policy``, ``value`` the policy).
+        UnsuitableServerError: cluster mode (``field`` ``cluster_enabled``); a replica (``field`` ``role``);
+            an evicting server without ``allow_eviction`` (``field`` ``maxmemory-policy``, ``value`` the policy).
     """
     if info.get("cluster_enabled", "0") not in ("", "0"):
         raise UnsuitableServerError(
@@ -60,6 +62,12 @@ def check_server(info: Mapping[str, str], where: str, allow_eviction: bool) -> t
             "support: its writes are Lua scripts over keys a cluster spreads across nodes, and a cluster's failover "
             "can lose acknowledged writes; use a single Redis server (redis://), Redis Sentinel (redis+sentinel://), "
             "or etcd (etcd-v3://h1,h2,h3/...) for replication")
+    if info.get("role") == "slave":
+        master = f"{info.get('master_host', '?')}:{info.get('master_port', '?')}"
+        raise UnsuitableServerError(
+            "role", "replica",
+            f"Redis at {where} is a read-only replica (of {master}): point redis:// at the master, or use Redis "
+            "Sentinel (redis+sentinel://SENTINELS/RUN_ID?master_name=NAME) to follow the master through failovers")
     policy = info.get("maxmemory_policy", "noeviction")
     maxmemory = _int(info.get("maxmemory", "0"))
     if maxmemory <= 0 or policy == "noeviction":

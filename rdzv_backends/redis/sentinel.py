@@ -186,7 +186,7 @@ def open_sentinel_url(url: RendezvousURL) -> SentinelBackend:
     params = url.params
     master_name = params.get(MASTER_NAME_KEY)
     if not master_name:
-        raise InvalidURLError(MASTER_NAME_KEY, master_name,
+        raise InvalidURLError(MASTER_NAME_KEY, master_name or "",
                               "redis+sentinel:// needs the name the sentinels monitor the master under: "
                               f"?{MASTER_NAME_KEY}=NAME (e.g. mymaster, as in 'sentinel monitor mymaster ...')")
     return SentinelBackend(
