@@ -49,6 +49,7 @@ from typing import Any
 import psutil
 
 from .servers import Servers
+from .trainer import read_records
 
 __all__ = ["TARGETS", "EVENTS", "run_event", "main"]
 
@@ -167,20 +168,7 @@ class Job:
         return node
 
     def steps(self, name: str) -> list[dict[str, Any]]:
-        try:
-            with open(os.path.join(self.out, f"steps-{name}.jsonl")) as f:
-                lines = f.read().splitlines()
-        except FileNotFoundError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if record.get("kind") == "step":
-                out.append(record)
-        return out
+        return read_records(self.out, name)
 
     def first_step(self, names: list[str], world: int, after: float) -> float | None:
         """The earliest time (``time.time()``) a step at ``world`` completed on any of ``names`` after ``after``."""

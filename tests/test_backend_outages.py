@@ -16,7 +16,6 @@ generous deadlines, never on log wording. The launchers log at INFO (``NAME.err`
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -25,6 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
+from benchmarks.trainer import read_records
 from agent_workers.harness import REPO, Launcher, kill_run, pid_alive, wait_until
 from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.redis_server import RedisServer
@@ -72,21 +72,7 @@ class Job:
         return launcher
 
     def records(self, node: str | None = None, kind: str = "step") -> list[dict[str, Any]]:
-        found = []
-        for name in [node] if node else list(self.nodes):
-            try:
-                with open(os.path.join(self.out, f"steps-{name}.jsonl")) as f:
-                    lines = f.read().splitlines()
-            except FileNotFoundError:
-                continue
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a line being written
-                    continue
-                if record.get("kind") == kind:
-                    found.append(record)
-        return found
+        return [r for name in ([node] if node else list(self.nodes)) for r in read_records(self.out, name, kind)]
 
     def steps(self, node: str, world: int | None = None, after: float = 0.0) -> list[dict[str, Any]]:
         return [r for r in self.records(node) if (world is None or r["world"] == world) and r["t"] > after]

@@ -10,7 +10,6 @@ the run is closed, and deadlines on those outcomes.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 import uuid
@@ -19,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.trainer import read_records
 from agent_workers.harness import REPO, Launcher, kill_run, wait_until
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
@@ -90,21 +90,7 @@ class Job:
         return launcher
 
     def records(self, node: str | None = None, kind: str = "step") -> list[dict[str, Any]]:
-        found = []
-        for name in [node] if node else list(self.nodes):
-            try:
-                with open(os.path.join(self.out, f"steps-{name}.jsonl")) as f:
-                    lines = f.read().splitlines()
-            except FileNotFoundError:
-                continue
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:  # a line being written
-                    continue
-                if record.get("kind") == kind:
-                    found.append(record)
-        return found
+        return [r for name in ([node] if node else list(self.nodes)) for r in read_records(self.out, name, kind)]
 
     def steps_at(self, node: str, world: int, after: float = 0.0) -> list[dict[str, Any]]:
         return [r for r in self.records(node) if r["world"] == world and r["t"] > after]
