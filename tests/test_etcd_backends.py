@@ -230,8 +230,11 @@ def test_paused_server_times_out_within_operation_timeout(
             error, elapsed = timed(call)
             assert isinstance(error, BackendTimeout), repr(error)
             assert OP_TIMEOUT * 0.8 <= elapsed <= OP_TIMEOUT + SLACK, f"took {elapsed:.1f}s"
-        error, elapsed = timed(lambda: kv.watch("p/", 10**9, 1.0))  # silent server: a quiet watch
-        assert error is None and elapsed <= 1.0 + SLACK
+        # A silent server looks quiet to a watch, or unreachable to one whose stream must first connect (etcd-v3
+        # opens watch streams on a channel of their own: its HTTP/2 handshake can fail first): the protocol's
+        # contract, as conformance_tests/test_faults.py has it -- [] or BackendUnavailable, never a hang.
+        error, elapsed = timed(lambda: kv.watch("p/", 10**9, 1.0))
+        assert (error is None or isinstance(error, BackendUnavailable)) and elapsed <= 1.0 + SLACK, repr(error)
     finally:
         own_etcd.resume()
     assert kv.get("p/k").value in (b"v", b"w") and kv.get("p/k").revision >= entry.revision

@@ -204,7 +204,7 @@ def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_withou
         job.node(name, "2:3", collective=False, max_restarts=1)
     wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
     job.touch("stop-C")
-    c_workers = job.nodes["C"].descendants()
+    c_workers = job.nodes["C"].workers()
     wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _running(p) for p in c_workers), 30,
                "C's workers to finish", job.tails)
     steps_b = len(job.records("B"))
@@ -235,7 +235,7 @@ def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, l
         job.node(name, "2:3", collective=False, torchrun=torchrun)
     wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
     job.touch("stop-C")
-    c_workers = job.nodes["C"].descendants()
+    c_workers = job.nodes["C"].workers()
     wait_until(lambda: not any(_running(p) for p in c_workers), 30, "C's workers to finish", job.tails)
     c_rank = job.records("C")[-1]["group_rank"]
     wait_until(lambda: any(m.get("finished") for m in job.state().get("alive", []) if m.get("rank") == c_rank),

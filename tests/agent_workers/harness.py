@@ -100,6 +100,18 @@ class Launcher:
         self.known.update(pids)
         return pids
 
+    def workers(self) -> list[int]:
+        """Pids of the launcher's live descendants but its reaper's watch process (``rdzv_agent.reaper``), which
+        lives as long as the launcher: the workers and what they started."""
+        pids = []
+        for pid in self.descendants():
+            try:
+                if not any(arg.endswith("reaper.py") for arg in psutil.Process(pid).cmdline()):
+                    pids.append(pid)
+            except psutil.Error:
+                continue
+        return pids
+
     def wait(self, timeout: float) -> int:
         """The exit status; raises ``AssertionError`` with the output tail if not exited in time."""
         try:
