@@ -22,7 +22,7 @@ import subprocess
 import time
 from typing import Sequence
 
-from .servers import LOOPBACK, Placement, ServerProcess
+from .servers import LOOPBACK, Placement, ServerProcess, free_port
 
 __all__ = ["RedisServer", "RedisTLSServer", "RedisCluster"]
 
@@ -166,10 +166,34 @@ class RedisCluster:
 
     start_timeout = 30.0
 
+    #: A cluster node's bus listens on its port + this: the port must be at most 65535 - BUS_OFFSET.
+    BUS_OFFSET = 10000
+
     def __init__(self, masters: int = 3) -> None:
         self.nodes = [RedisServer(appendonly=False, extra_args=("--cluster-enabled", "yes", "--cluster-config-file",
                                                                 "nodes.conf", "--cluster-node-timeout", "5000"))
                       for _ in range(masters)]
+        for node in self.nodes:
+            node.port = self._port_with_a_bus(node.host)
+
+    @classmethod
+    def _port_with_a_bus(cls, host: str) -> int:
+        """A free port whose bus port (+ :attr:`BUS_OFFSET`) exists and is free too.
+
+        Raises:
+            OSError: none found in 200 tries.
+        """
+        for _ in range(200):
+            port = free_port(host)
+            if port + cls.BUS_OFFSET > 65535:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((host, port + cls.BUS_OFFSET))
+                except OSError:
+                    continue
+            return port
+        raise OSError(f"no free port on {host} with a free cluster bus port after 200 tries")
 
     def start(self) -> None:
         """Start every node, create the cluster, and wait until every node says ``cluster_state:ok``."""
