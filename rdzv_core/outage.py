@@ -15,11 +15,18 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["OutageLog", "Responsiveness", "LATEST_JUDGEMENT"]
+__all__ = ["OutageLog", "Responsiveness", "LATEST_JUDGEMENT", "judged_at"]
 
 #: A keep-alive key seen missing by a prompt look is judged lost at the latest this many keep-alive TTLs
 #: later, however often the looker's own calls stall meanwhile (``docs/design.md``, "The backend away").
 LATEST_JUDGEMENT = 3
+
+
+def judged_at(answering_since: float, missing_since: float, ttl: float) -> float:
+    """When (``time.monotonic()``) a keep-alive key first seen missing at ``missing_since`` is judged lost: once
+    the backend has answered without a break since ``answering_since`` for ``ttl`` seconds (the keep-alive
+    TTL), and at the latest :data:`LATEST_JUDGEMENT` TTLs after it was first seen missing."""
+    return min(answering_since + ttl, missing_since + LATEST_JUDGEMENT * ttl)
 
 
 class OutageLog:
@@ -66,14 +73,13 @@ class Responsiveness:
     Args:
         slow: seconds after which a call counts as a stall (> 0).
         max_gap: seconds between two calls beyond which the client counts as held up (> 0).
-        since: ``time.monotonic()`` at which the period starts (default: now).
 
     Thread-safe.
     """
 
-    def __init__(self, slow: float, max_gap: float, since: float | None = None) -> None:
+    def __init__(self, slow: float, max_gap: float) -> None:
         self.slow, self.max_gap = slow, max_gap
-        self._since = time.monotonic() if since is None else since
+        self._since = time.monotonic()
         self._broken = -float("inf")
         self._last: float | None = None
         self._inflight: list[float] = []  # start times of calls begun and not yet recorded
@@ -97,11 +103,11 @@ class Responsiveness:
                 self._broken = max(self._broken, ended)
             self._last = max(self._last or ended, ended)
 
-    def broken(self, at: float | None = None) -> None:
-        """The backend failed to answer at ``at`` (default: now): the period restarts then."""
+    def broken(self) -> None:
+        """The backend failed to answer just now: the period restarts now."""
+        now = time.monotonic()
         with self._lock:
-            at = time.monotonic() if at is None else at
-            self._since, self._broken = max(self._since, at), max(self._broken, at)
+            self._since, self._broken = max(self._since, now), max(self._broken, now)
 
     def _stalled_now(self) -> float:
         """Now if a call has been in flight longer than ``slow``, else ``-inf`` (lock held)."""

@@ -31,7 +31,7 @@ from .errors import (
     RdzvError,
 )
 from .kv import EventType, KVBackend
-from .outage import LATEST_JUDGEMENT, OutageLog
+from .outage import OutageLog, Responsiveness, judged_at
 from .rendezvous.record import RoundRecord, RunKeys, Status, missing_ranks
 from .rendezvous.state_io import delete_round_record
 
@@ -90,7 +90,8 @@ class _RoundWatch:
     def __init__(self, watched: WatchedRound) -> None:
         self.watched = watched
         self.subscribers: dict[object, tuple[KVBackend, Since | None]] = {}
-        self.broken_at = -float("inf")  # when this watch last failed to reach the backend (monotonic)
+        # This watch's own calls: failed, or a listing slower than TTL/3 (no evidence the backend was there).
+        self.answers = Responsiveness(slow=watched.ttl / 3, max_gap=float("inf"))
         self.judge_at: float | None = None  # a rank is missing: look again then (monotonic)
         self.missing_since: float | None = None  # when a prompt listing first showed a rank missing (monotonic)
         self.dead: list[KVBackend] = []  # clients found closed
@@ -112,7 +113,7 @@ class _RoundWatch:
         evidence, unless this watch itself failed later. A subscriber without evidence vouches always."""
         with self.lock:
             evidence = [since() if since is not None else -float("inf") for _, since in self.subscribers.values()]
-        return max(self.broken_at, min(evidence, default=-float("inf")))
+        return max(self.answers.last_break, min(evidence, default=-float("inf")))
 
     def _run(self) -> None:
         outage = OutageLog(log.log)
@@ -146,7 +147,7 @@ class _RoundWatch:
                     self.dead.append(kv)  # that subscriber's client is gone: go on with another one's
                 revision = None
             except BackendUnavailableError as exc:
-                self.broken_at = time.monotonic()
+                self.answers.broken()
                 outage.failed("round watch of run %s version %d: backend unavailable, retrying: %s",
                               self.watched.run_id, self.watched.version, exc)
                 revision = None
@@ -166,8 +167,7 @@ class _RoundWatch:
         started = time.monotonic()
         entries, revision = kv.list(k.alive_prefix)
         now = time.monotonic()
-        if now - started > k.ttl / 3:  # a stalled answer is no evidence that the backend was there
-            self.broken_at = now
+        self.answers.record(started, now, ok=True)
         missing = missing_ranks(entries, k.world)
         if not missing:
             self.judge_at = self.missing_since = None
@@ -181,7 +181,7 @@ class _RoundWatch:
         # The backend was away: a live member writes its key again meanwhile. Judged once the backend answered
         # for a TTL, and at the latest 3 TTL after a prompt look first showed the key missing (a loaded host
         # whose calls keep stalling must not put the judgement off for ever).
-        judge_at = min(self._answering_since() + k.ttl, self.missing_since + LATEST_JUDGEMENT * k.ttl)
+        judge_at = judged_at(self._answering_since(), self.missing_since, k.ttl)
         if now < judge_at:
             if self.judge_at is None:
                 log.info("run=%s version=%d: keep-alive of rank(s) %s missing after the backend was away; "

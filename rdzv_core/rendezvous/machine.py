@@ -34,7 +34,7 @@ from ..errors import (
 from ..keepalive import KeepAlive
 from .membership import Membership
 from ..kv import Entry, KVBackend, wait_for_change
-from ..outage import LATEST_JUDGEMENT, Responsiveness
+from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
@@ -420,8 +420,7 @@ class RoundMachine(Membership):
             answering.record(looked, now := time.monotonic(), ok=True)
             missing = missing_ranks(alive, world)
             missing_since = (missing_since or now) if missing else None
-            if missing_since is not None and (member or now - answering.since >= ttl
-                                              or now - missing_since >= LATEST_JUDGEMENT * ttl):
+            if missing_since is not None and (member or now >= judged_at(answering.since, missing_since, ttl)):
                 self._destroy(entry, f"round {version}: keep-alive of rank(s) {missing} lapsed")
                 break
             now = time.monotonic()
