@@ -7,23 +7,21 @@ record (revision, status), the counts ``rdzv status`` shows, and the rounds that
 
 from __future__ import annotations
 
-import threading
 import time
-import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from rdzv_core import (
     KVBackend,
-    Rendezvous,
     RendezvousClosedError,
     RendezvousParams,
     RendezvousStateError,
-    RoundResult,
     RunConfigMismatchError,
 )
 from rdzv_core.rendezvous.runconfig import check_run_config
+
+from .test_rendezvous import Agent, crew_of, round_of
 
 pytestmark = pytest.mark.rendezvous
 
@@ -35,69 +33,12 @@ RUN = {"min_nodes": 2, "max_nodes": 3, "last_call_timeout": 0.5, "keep_alive_ttl
 REFUSED_WITHIN = 5.0
 
 
-class Node:
-    """One node: a Rendezvous on its own client; ``start()`` runs ``next_round`` on a thread."""
-
-    def __init__(self, kv: KVBackend, run_id: str, **params: Any) -> None:
-        self.rdzv = Rendezvous(kv, run_id, RendezvousParams(**{**RUN, **params}))
-        self.kv = kv
-        self.result: RoundResult | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.started = False
-
-    def start(self) -> "Node":
-        self.started = True
-        self.result, self.error = None, None
-        self.done.clear()
-        threading.Thread(target=self._run, daemon=True).start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            self.result = self.rdzv.next_round()
-        except BaseException as exc:  # recorded for the test to assert on
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def wait(self, timeout: float) -> RoundResult:
-        assert self.done.wait(timeout), "the node did not finish in time"
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
 @pytest.fixture
-def nodes(kv_factory: Callable[[], KVBackend]):
+def nodes(kv_factory: Callable[[], KVBackend]) -> Iterator[Callable[..., list[Agent]]]:
     """``nodes(n, **params)`` -> n nodes of one fresh run (``RUN`` with ``params``), not started; every
     node leaves its round at the end (an unfinished one has its client closed first)."""
-    run_id = f"cfg{uuid.uuid4().hex[:12]}"
-    made: list[Node] = []
-
-    def make(n: int, **params: Any) -> list[Node]:
-        new = [Node(kv_factory(), run_id, **params) for _ in range(n)]
-        made.extend(new)
-        return new
-
-    yield make
-    for node in made:
-        if not node.started:
-            continue
-        if not node.done.is_set():
-            node.kv.close()
-            node.done.wait(10)
-        else:
-            node.rdzv.leave()
-
-
-def _round(members: list[Node], world: int, timeout: float = 30.0) -> list[RoundResult]:
-    deadline = time.monotonic() + timeout
-    results = [m.wait(max(0.0, deadline - time.monotonic())) for m in members]
-    assert sorted(r.rank for r in results) == list(range(world)), results
-    assert {r.world_size for r in results} == {world} and len({r.version for r in results}) == 1, results
-    return results
+    with crew_of(kv_factory, "cfg", RUN, leave=True) as make:
+        yield make
 
 
 def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
@@ -107,7 +48,7 @@ def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.02)
 
 
-def _refused(node: Node) -> RunConfigMismatchError:
+def _refused(node: Agent) -> RunConfigMismatchError:
     """``node``'s ``next_round`` refusal, which must come within :data:`REFUSED_WITHIN` s."""
     t0 = time.monotonic()
     with pytest.raises(RunConfigMismatchError) as info:
@@ -122,7 +63,7 @@ def _refused(node: Node) -> RunConfigMismatchError:
 def test_a_node_with_another_setting_is_refused_and_the_round_is_untouched(nodes, kv, field: str,
                                                                             value: Any) -> None:
     members = [n.start() for n in nodes(2)]
-    first = _round(members, 2)
+    first = round_of(members, 30)
     keys = members[0].rdzv.keys
     before = kv.get(keys.round_record)
     assert before is not None
@@ -142,7 +83,7 @@ def test_a_node_with_another_setting_is_refused_and_the_round_is_untouched(nodes
 
     late = nodes(1)[0].start()  # a third node with the run's settings: the round grows
     _until(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the matching node counted as waiting")
-    grown = _round([m.start() for m in members] + [late], 3)
+    grown = round_of([m.start() for m in members] + [late], 30)
     assert grown[0].version > first[0].version
 
 
@@ -163,7 +104,7 @@ def test_mixed_nnodes_the_second_is_refused_before_it_joins(nodes, first_nnodes,
     assert not waiting.done.is_set()
 
     third = nodes(1, min_nodes=low, max_nodes=high)[0].start()
-    _round([waiting, third], 2)
+    round_of([waiting, third], 30)
     assert not waiting.rdzv.is_closed()
 
 
@@ -171,7 +112,7 @@ def test_a_closed_run_is_reported_closed_and_its_configuration_expires_with_it(n
     """A node with other settings at a closed run hears that the run is closed (the more useful answer);
     the configuration expires with the closed run's keys, and then a job with other settings starts afresh."""
     members = [n.start() for n in nodes(2, closed_run_ttl=2.0)]
-    _round(members, 2)
+    round_of(members, 30)
     keys = members[0].rdzv.keys
     assert kv.get(keys.config) is not None
     members[0].rdzv.set_closed()
@@ -189,7 +130,7 @@ def test_a_run_without_a_configuration_gets_the_next_nodes(nodes, kv) -> None:
     """A run created by a version without the configuration key (or whose key was lost): the next node
     records its settings, joins, and a node with other settings is refused from then on."""
     members = [n.start() for n in nodes(2)]
-    _round(members, 2)
+    round_of(members, 30)
     keys = members[0].rdzv.keys
     entry = kv.get(keys.config)
     assert entry is not None
@@ -198,7 +139,7 @@ def test_a_run_without_a_configuration_gets_the_next_nodes(nodes, kv) -> None:
     late = nodes(1)[0].start()
     _until(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
     assert kv.get(keys.config) is not None  # recorded again, by the late node
-    _round([m.start() for m in members] + [late], 3)
+    round_of([m.start() for m in members] + [late], 30)
     assert _refused(nodes(1, last_call_timeout=9.0)[0]).field == "last_call_timeout"
 
 
