@@ -21,7 +21,7 @@ run as its own process) makes sure they end with the node, in two parts:
 * **A watch process outlives the launcher** for ``kill -9``: the kernel kills the
   workers (``PR_SET_PDEATHSIG``, :mod:`rdzv_agent.process`), but their helpers are then
   re-parented to init, as are those the launcher had adopted. At start the launcher runs
-  this file as a small program (stdlib and psutil only, no torch: about 30 ms of start-up)
+  this file as a small program (stdlib and psutil only, no torch)
   in a session of its own, holding the read end of a pipe whose write end only the
   launcher holds. Every worker gets a per-launcher token in :data:`TOKEN_ENV`, inherited
   by whatever it starts. When the pipe closes -- the launcher exited, normally or killed
