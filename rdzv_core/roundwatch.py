@@ -30,7 +30,7 @@ from .errors import (
     HistoryCompactedError,
     RdzvError,
 )
-from .kv import EventType, KVBackend
+from .kv import KVBackend
 from .outage import OutageLog, Responsiveness, judged_at
 from .rendezvous.record import RoundRecord, RunKeys, Status, missing_ranks
 from .rendezvous.state_io import delete_round_record
@@ -48,6 +48,8 @@ WATCH_SLICE = 5.0
 
 #: A subscriber's evidence: ``time.monotonic()`` since which its client saw the backend answer without a break.
 Since = Callable[[], float]
+#: A subscriber's callback when the watch ends after judging a missing key (the round is most likely over).
+OnEnd = Callable[["WatchedRound"], object]
 
 
 @dataclass(frozen=True)
@@ -89,10 +91,11 @@ class _RoundWatch:
 
     def __init__(self, watched: WatchedRound) -> None:
         self.watched = watched
-        self.subscribers: dict[object, tuple[KVBackend, Since | None]] = {}
+        self.subscribers: dict[object, tuple[KVBackend, Since | None, OnEnd | None]] = {}
         # This watch's own calls: failed, or a listing slower than TTL/3 (no evidence the backend was there).
         self.answers = Responsiveness(slow=watched.ttl / 3, max_gap=float("inf"))
         self.judge_at: float | None = None  # a rank is missing: look again then (monotonic)
+        self.judged = False  # a missing key was judged lost (the round destroyed here or by someone else)
         self.missing_since: float | None = None  # when a prompt listing first showed a rank missing (monotonic)
         self.dead: list[KVBackend] = []  # clients found closed
         self.lock = threading.Lock()
@@ -103,7 +106,7 @@ class _RoundWatch:
     # -- on the watch thread ------------------------------------------------------------------
     def _client(self) -> KVBackend | None:
         with self.lock:
-            for kv, _ in self.subscribers.values():
+            for kv, _, _ in self.subscribers.values():
                 if not any(kv is d for d in self.dead):
                     return kv
         return None
@@ -112,7 +115,7 @@ class _RoundWatch:
         """Since when (monotonic) the backend answered this process without a break: the subscribers' best
         evidence, unless this watch itself failed later. A subscriber without evidence vouches always."""
         with self.lock:
-            evidence = [since() if since is not None else -float("inf") for _, since in self.subscribers.values()]
+            evidence = [since() if since is not None else -float("inf") for _, since, _ in self.subscribers.values()]
         return max(self.answers.last_break, min(evidence, default=-float("inf")))
 
     def _run(self) -> None:
@@ -127,6 +130,7 @@ class _RoundWatch:
                 if revision is None:
                     revision = self._check(kv)
                     if revision is None:
+                        self._ended()
                         return  # the round is gone (destroyed here, or already) or the run closed
                 wait = WATCH_SLICE if self.judge_at is None else max(0.0, min(WATCH_SLICE,
                                                                                self.judge_at - time.monotonic()))
@@ -136,8 +140,7 @@ class _RoundWatch:
                 delay = 0.05
                 if events:
                     revision = max(revision, max(e.revision for e in events))
-                    if self.judge_at is not None or any(e.type is EventType.DELETE for e in events):
-                        revision = None  # a key went away (or one missing came back): look again
+                    revision = None  # a key went away, was marked re-joining, or came back: look again
                 elif self.judge_at is not None and time.monotonic() >= self.judge_at:
                     revision = None  # a rank was missing: judge it now
             except HistoryCompactedError:
@@ -158,6 +161,20 @@ class _RoundWatch:
                             self.watched.version, type(exc).__name__, exc)
                 revision = None
                 self.stopped.wait(1.0)
+
+    def _ended(self) -> None:
+        """Tell the subscribers that the watch ended after judging a missing key (``on_end``); what a
+        callback raises is logged."""
+        if not self.judged or self.stopped.is_set():
+            return
+        with self.lock:
+            callbacks = [on_end for _, _, on_end in self.subscribers.values() if on_end is not None]
+        for on_end in callbacks:
+            try:
+                on_end(self.watched)
+            except Exception:  # a subscriber's bug must not hide the others' notice; logged with its traceback
+                log.exception("round watch of run %s version %d: a subscriber's end callback failed",
+                              self.watched.run_id, self.watched.version)
 
     def _check(self, kv: KVBackend) -> int | None:
         """List the keep-alive keys; destroy the round if a rank has none and the backend answered this
@@ -188,6 +205,7 @@ class _RoundWatch:
                          "judged in %.1f s unless written again", k.run_id, k.version, missing, judge_at - now)
             self.judge_at = judge_at
             return revision
+        self.judged = True
         destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted (the backend answered for "
                        f"{now - self._answering_since():.1f} s, missing for {now - self.missing_since:.1f} s)")
         return None
@@ -219,12 +237,14 @@ _lock = threading.Lock()
 _watches: dict[tuple[str, int, str], _RoundWatch] = {}
 
 
-def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since | None = None) -> None:
+def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since | None = None,
+              on_end: OnEnd | None = None) -> None:
     """Add ``member`` (any hashable id) with its client ``kv`` to the watch of round ``watched``;
     the first subscriber of a round in this process starts the watch. ``since``: the member's evidence
     (``time.monotonic()`` since which its client saw the backend answer without a break, e.g. its
     keep-alive's :attr:`~rdzv_core.keepalive.KeepAlive.responsiveness`); without it, a missing key
-    is acted on at once."""
+    is acted on at once. ``on_end(watched)``: called on the watch's thread when the watch ends after
+    judging a missing key (the round destroyed here or by another node, or the run closed)."""
     with _lock:
         watch = _watches.get(watched.ident)
         if watch is None:
@@ -233,7 +253,7 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
         else:
             start = False
         with watch.lock:
-            watch.subscribers[member] = (kv, since)
+            watch.subscribers[member] = (kv, since, on_end)
     if start:
         watch.thread.start()
 

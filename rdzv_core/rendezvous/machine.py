@@ -24,6 +24,8 @@ from typing import Any, Callable
 
 from .. import roundwatch
 from ..errors import (
+    BackendClosedError,
+    BackendUnavailableError,
     CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
@@ -32,12 +34,13 @@ from ..errors import (
     RendezvousStateError,
 )
 from ..keepalive import KeepAlive
-from .membership import Membership
 from ..kv import Entry, KVBackend, wait_for_change
+from .admission import Admission, write_last_final
+from .membership import Membership
 from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
-from .record import RoundRecord, RunKeys, Status, encode_json, member_record, missing_ranks
+from .record import RoundRecord, RunKeys, Status, encode_json, missing_ranks
 from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
@@ -84,9 +87,8 @@ class RoundMachine(Membership):
         self._alive_key: str | None = None
         self._alive_info: dict[str, Any] = {}
         self._finished = False  # this member's key is marked finished (mark_finished)
-        # After waiting as a late node: (incumbents, monotonic deadline): see _defer_to_incumbents.
-        self._defer: tuple[int, float] | None = None
-        self._previous: int | None = None  # version of the round this node was a member of before next_round
+        # This node's place in the admission order of a round that follows a final one (docs/design.md).
+        self._admission = Admission(kv, self.keys, self.node_id, params.keep_alive_ttl)
         self._final_ranks: str | None = None  # the rank policy of the final record _confirm returned
         # Since when this member's keep-alive saw the backend answer without a break (the round watch's evidence).
         self._evidence: Responsiveness | None = None
@@ -178,10 +180,14 @@ class RoundMachine(Membership):
             ticket = held.ticket  # joined before a backend error: the ticket is still ours
             self._log(logging.INFO, "resuming with ticket %d", ticket, version=version)
         else:
-            self._defer_to_incumbents(version, rid, deadline)
+            queued = self._wait_for_place(version, rid, deadline)
             ticket = self._take_ticket(self.keys.joined(version, rid))
             self._held = Held(version, rid, ticket)
             self._log(logging.INFO, "joined with ticket %d", ticket, version=version)
+            if queued:
+                self._admission.entered(version, rid)
+            else:
+                self._mark_rejoined(version, rid)
         if ticket == p.limit:
             self._freeze(version, rid, p.limit, deadline)
         elif ticket == p.min_nodes:
@@ -198,25 +204,28 @@ class RoundMachine(Membership):
             raise Retry(f"round {version} froze with {world} nodes before ticket {ticket}")
         return self._confirm(version, rid, ticket - 1, world, deadline)
 
-    def _defer_to_incumbents(self, version: int, rid: str | None, deadline: float) -> None:
-        """After waiting as a late node: wait until as many nodes joined as still held keys in the
-        old round when it ended, at most ``keep_alive_ttl`` s (``docs/design.md``, "spares do not
-        displace survivors")."""
-        defer, self._defer = self._defer, None
-        if defer is None:
-            return
-        incumbents, until = defer[0], min(defer[1], deadline)
-        joined_key = self.keys.joined(version, rid)
+    def _wait_for_place(self, version: int, rid: str | None, deadline: float) -> bool:
+        """Before this node takes a ticket in round ``(version, rid)``: if it was not a member of the previous
+        round, queue and wait until its ticket cannot push an incumbent or a node queued ahead of it out of
+        the round, at most ``keep_alive_ttl`` s since it began to join (:mod:`.admission`). Whether it queued.
+        """
+        admission = self._admission
+        if not admission.begin(version, self.last_round):
+            return False
+        admission.enqueue()
+        since = admission.since
+        assert since is not None  # begin() set it
+        until = min(since + self.params.keep_alive_ttl, deadline)
         while time.monotonic() < until:
-            revision = self.kv.list(self.keys.round_dir(version, rid))[1]
-            joined = self._tickets(joined_key)
-            if joined >= incumbents:
-                return
+            expected, revision = admission.look(version, rid, since)
+            if expected.room_for_me(self.params.limit):
+                break
             record = self._read_state()[1]
             if record is None or record.status is not Status.JOINABLE or not record.is_round(version, rid):
-                return
-            self._progress("joining", version, joined, deadline)
-            wait_for_change(self.kv, self.keys.tree, revision, until)
+                break
+            self._progress("joining", version, expected.joined, deadline)
+            wait_for_change(self.kv, self.keys.tree, revision, min(expected.until, until))
+        return True
 
     def _freeze(self, version: int, rid: str | None, participants: int, deadline: float) -> None:
         """CAS joinable -> frozen with ``participants`` members (the frozen record has no TTL)."""
@@ -240,23 +249,34 @@ class RoundMachine(Membership):
                                   deadline, ttl=ttl)  # ephemeral from now on
         if marked is None:
             return
-        end = min(time.monotonic() + p.last_call_timeout, deadline)
+        started = time.monotonic()
+        end = min(started + p.last_call_timeout, deadline)
         self._log(logging.INFO, "reached min_nodes; last call for %.1f s", p.last_call_timeout, version=version)
+        # Past the last call, nodes still expected (incumbents, queued nodes: .admission) are waited for while
+        # places are free, within keep_alive_ttl of when this node began to join.
+        since = self._admission.since if self._admission.since is not None else started
+        awaits = self._admission.previous is not None
+        until = min(max(end, since + ttl), deadline)
         while True:
             entry, record, seen = self._read_state_at()
             if entry is None or record is None or record.status is not Status.JOINABLE or \
                     not record.is_round(version, rid):
                 return
             now = time.monotonic()
+            prefix, after, wake = self.keys.state_dir, entry.revision, min(now + ttl / 3, end)
             if now >= end:
-                self._freeze(version, rid, min(self._tickets(self.keys.joined(version, rid)), p.limit), deadline)
-                return
+                expected = self._admission.look(version, rid, since) if awaits and now < until else None
+                if expected is None or not expected[0].awaited(p.limit):
+                    self._freeze(version, rid, min(self._tickets(self.keys.joined(version, rid)), p.limit),
+                                 deadline)
+                    return
+                prefix, after, wake = self.keys.tree, expected[1], min(now + ttl / 3, until, expected[0].until)
             try:
                 self.kv.refresh(self.keys.round_record, ttl)
             except KeyNotFoundError:
                 return
             self._progress("last-call", version, self._tickets(self.keys.joined(version, rid)), deadline)
-            wait_for_change(self.kv, self.keys.state_dir, entry.revision, min(now + ttl / 3, end), seen)
+            wait_for_change(self.kv, prefix, after, wake, seen)
 
     def _wait_until_not_joinable(self, version: int, rid: str | None, deadline: float) -> tuple[Entry, RoundRecord]:
         """Wait for the round to leave ``joinable``; destroy it if it reached ``min_nodes`` and has had
@@ -354,9 +374,14 @@ class RoundMachine(Membership):
             self._publish_ranks(version, rid, world, policy)
         final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
         try:
-            self._transition(version, rid, Status.FROZEN, lambda _: final, deadline, current=(entry, record))
+            made = self._transition(version, rid, Status.FROZEN, lambda _: final, deadline, current=(entry, record))
         except Deadline:
-            pass
+            return
+        if made is not None:
+            try:
+                write_last_final(self.kv, self.keys, version, rid)
+            except (BackendUnavailableError, BackendClosedError) as exc:  # newcomers then see the round end later
+                self._log(logging.WARNING, "could not record the last final round: %s", exc, version=version)
 
     def _check_frozen_stall(self, entry: Entry, record: RoundRecord, repair: bool = False) -> bool:
         """Destroy a frozen round whose (record revision, confirmation count) has not changed for
@@ -412,6 +437,9 @@ class RoundMachine(Membership):
         # A member of that round knows it is over (it left to re-rendezvous); anyone else acts on a missing key
         # only once the backend answered its looks for a whole TTL (docs/design.md, "The backend away").
         member = self.last_round is not None and self.last_round[:2] == (version, rid or "")
+        self._admission.saw_final(version, rid)
+        if not member:
+            self._admission.enqueue()  # arrival order among the nodes waiting for a place
         answering = Responsiveness(slow=ttl / 3, max_gap=2 * ttl / 3)
         missing_since: float | None = None  # when a prompt look first showed a rank missing
         while True:
@@ -436,13 +464,6 @@ class RoundMachine(Membership):
             entry_now = self._read_state()[0]
             if entry_now is None or entry_now.revision != entry.revision:
                 break
-        # The members still in the old round now will re-form: let them join first (_defer_to_incumbents);
-        # a member of that round itself does not wait.
-        self._defer = None
-        if version != self._previous:
-            alive = self.kv.list(alive_dir)[0]  # the last look, after the record changed
-            working = sum(1 for e in alive if "finished" not in member_record(e))
-            self._defer = (working, time.monotonic() + self.params.keep_alive_ttl) if working else None
         return time.monotonic() - started if spare else 0.0
 
     def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:

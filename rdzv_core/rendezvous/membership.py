@@ -18,9 +18,9 @@ from ..errors import BackendClosedError, BackendUnavailableError, RendezvousStat
 from ..keepalive import KeepAlive
 from ..outage import Responsiveness
 from .params import RendezvousParams, RoundResult
-from .record import encode_json
+from .record import REJOINED, REJOINING, encode_json, round_segment
 from .runconfig import record_run_config
-from .state_io import RoundIO, restore_round
+from .state_io import RoundIO, restore_round, round_ended
 
 __all__ = ["Membership"]
 
@@ -32,21 +32,71 @@ class Membership(RoundIO):
     on_keepalive: Callable[[BaseException | None], object] | None
     _keepalive: KeepAlive | None
     _alive_key: str | None
+    _alive_info: dict[str, Any]
     _final_ranks: str | None
     _evidence: Responsiveness | None
     _watched: roundwatch.WatchedRound | None
+    #: The keep-alive key of the round this member left to re-join (``next_round``), or ``None``.
+    _rejoining: tuple[str, dict[str, Any]] | None = None
 
     def _watch_round(self, result: RoundResult) -> None:
         """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
         self._unwatch_round()
         self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
                                                 self.params.keep_alive_ttl, self._final_ranks)
-        roundwatch.subscribe(self, self.kv, self._watched, self._answering_since)
+        self._rejoining = None
+        roundwatch.subscribe(self, self.kv, self._watched, self._answering_since, on_end=self._round_ended)
 
     def _answering_since(self) -> float:
         """Since when (monotonic) this member's keep-alive saw the backend answer without a break."""
         evidence = self._evidence
         return evidence.since if evidence is not None else time.monotonic()
+
+    def _round_ended(self, watched: roundwatch.WatchedRound) -> None:
+        """The lapse watch of ``watched`` ended: if that round is over (the others re-form), mark this member's
+        key re-joining at once, before its agent notices, so the next round keeps it a place
+        (``docs/design.md``, "Admission order"). On the watch's thread; backend errors are logged."""
+        key = self._alive_key
+        if self._watched != watched or key is None or REJOINING in self._alive_info:
+            return
+        try:
+            if round_ended(self.kv, self.keys, watched.version, watched.rid or None):
+                self._alive_info = self._mark_key(key, self._alive_info, {REJOINING: round(time.time(), 3)})
+        except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
+            self._log(logging.WARNING, "could not mark this member re-joining: %s", exc, version=watched.version)
+
+    def _mark_key(self, key: str, info: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+        """Write this member's keep-alive ``key`` (record ``info``) again with ``changes`` and its TTL; the
+        new record. The keep-alive of ``key``, if it runs, writes the new record if it lapses."""
+        info = {**info, **changes}
+        if self._keepalive is not None and self._alive_key == key:
+            self._keepalive.value = encode_json(info)
+        self.kv.put(key, encode_json(info), ttl=self.params.keep_alive_ttl)
+        return info
+
+    def _leave_to_rejoin(self) -> None:
+        """``next_round`` leaves this member's round: its key is marked re-joining and left to lapse (not
+        deleted), and :meth:`_mark_rejoined` marks the round it takes a ticket in. Backend errors are logged."""
+        key, info = self._alive_key, self._alive_info
+        self._stop_keepalive(delete=False)
+        self._rejoining = None if key is None else (key, info)
+        if key is None or REJOINING in info:
+            return
+        try:
+            self._rejoining = (key, self._mark_key(key, info, {REJOINING: round(time.time(), 3)}))
+        except (BackendUnavailableError, BackendClosedError) as exc:
+            self._log(logging.WARNING, "could not mark the keep-alive key re-joining (it lapses): %s", exc)
+
+    def _mark_rejoined(self, version: int, rid: str | None) -> None:
+        """This re-joining member took a ticket in round ``(version, rid)``: say so in its old key, so the
+        nodes queued for a place there stop counting it as expected. Backend errors are logged."""
+        if self._rejoining is None:
+            return
+        key, info = self._rejoining
+        try:
+            self._mark_key(key, info, {REJOINED: round_segment(version, rid)})
+        except (BackendUnavailableError, BackendClosedError) as exc:
+            self._log(logging.WARNING, "could not mark the old keep-alive key re-joined: %s", exc, version=version)
 
     def _unwatch_round(self) -> None:
         if self._watched is not None:
@@ -114,3 +164,4 @@ class Membership(RoundIO):
                 self._log(logging.WARNING, "could not delete the keep-alive key (it will lapse): %s", exc)
         if forget:
             self._alive_key = None
+            self._alive_info = {}

@@ -48,7 +48,8 @@ class Rendezvous(RoundMachine):
         """Block until this node is a member of a final round; return its result.
 
         After torchelastic's ``EtcdRendezvous.rendezvous_barrier``. Leaves the previous round
-        first (its keep-alive key is deleted at once, so the others re-form promptly).
+        first (its keep-alive key is marked re-joining at once, so the others re-form promptly and
+        keep its place in the next round: ``docs/design.md``, "Admission order").
 
         Raises:
             RendezvousClosedError: the run is closed (:class:`RendezvousGracefulExitError` if it
@@ -63,13 +64,13 @@ class Rendezvous(RoundMachine):
                 attempt failed on it; if it answered since, the timeout is raised instead).
         """
         with self._lock:
-            self._previous = self.current.version if self.current is not None else None
-            self.leave()
-            self._spare_since = self._defer = None
+            self.leave(rejoin=True)
+            self._spare_since = None
             try:
                 return self._rounds_until(time.monotonic() + self.params.timeout)
             finally:
                 self._held = None  # a ticket is held only while next_round runs
+                self._admission.end()
 
     def _rounds_until(self, deadline: float) -> RoundResult:
         """``next_round``'s retry loop: attempts until one completes or ``deadline`` passes."""
@@ -116,7 +117,7 @@ class Rendezvous(RoundMachine):
             f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
         )
 
-    def leave(self, finished: bool = False) -> None:
+    def leave(self, finished: bool = False, rejoin: bool = False) -> None:
         """Leave the current round (the run stays open).
 
         Args:
@@ -124,11 +125,15 @@ class Rendezvous(RoundMachine):
                 :meth:`mark_finished`, its key stays (marked, without TTL) instead of being
                 deleted, so nobody takes it for a lost member. Implied once
                 :meth:`mark_finished` was called.
+            rejoin: this node re-joins the run (``next_round``): its key is marked re-joining and
+                left to lapse instead of deleted, so the next round keeps it a place.
         """
         self._unwatch_round()
         if finished or self._finished:
             self.mark_finished()
             self._stop_keepalive(delete=False)  # marked: the key stays; not marked (backend away): it lapses
+        elif rejoin:
+            self._leave_to_rejoin()
         else:
             self._stop_keepalive(delete=True)
         self._finished = False

@@ -6,10 +6,14 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
     ROOT/state/closed           present once the run is closed: {"closed": UNIX_TIME}, TTL closed_run_ttl
     ROOT/state/config           the run's configuration (RunConfig), created by the run's first node
     ROOT/counter/version        round version counter
+    ROOT/counter/queue          the admission queue's positions (tickets)
+    ROOT/admission/last         the last round that became final: {"version": V, "id": ID}
+    ROOT/admission/queue/NODE   a node waiting for a place (TTL): its position and the round it joined
     ROOT/v_V.ID/joined          join tickets of round V (ticket t -> slot t-1; the group rank with rank_policy=join)
     ROOT/v_V.ID/confirmed       confirmations of round V (tickets)
     ROOT/v_V.ID/waiting         late nodes counted while V is final (tickets)
-    ROOT/v_V.ID/alive/rank_R    keep-alive key of slot R (TTL; no TTL and "finished" once it finished)
+    ROOT/v_V.ID/alive/rank_R    keep-alive key of slot R (TTL; no TTL and "finished" once it finished;
+                                "rejoining" once the member re-joins the run, "rejoined" the round it took a ticket in)
     ROOT/v_V.ID/ranks           group rank of each slot, when the round's rank policy is not join
     ROOT/v_V.ID/extra/KEY       extra data of round V
     ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.progress)
@@ -33,7 +37,7 @@ from ..kv import Entry, escape_segment, join_key
 from ..url import RANK_POLICIES, validate_run_id
 
 __all__ = ["Status", "RoundRecord", "RunConfig", "RUN_SETTINGS", "RunKeys", "round_segment", "member_record",
-           "missing_ranks", "encode_json", "MAX_STATE_BYTES"]
+           "missing_ranks", "encode_json", "MAX_STATE_BYTES", "REJOINING", "REJOINED"]
 
 #: Bytes a round record may have at most (a larger one is corrupt).
 MAX_STATE_BYTES = 4096
@@ -258,14 +262,23 @@ class RunKeys:
     closed: str = dataclasses.field(init=False)  #: ``ROOT/state/closed``
     config: str = dataclasses.field(init=False)  #: ``ROOT/state/config``: the run's configuration
     version_counter: str = dataclasses.field(init=False)  #: ``ROOT/counter/version``
+    queue_counter: str = dataclasses.field(init=False)  #: ``ROOT/counter/queue``: admission queue positions
+    last_final: str = dataclasses.field(init=False)  #: ``ROOT/admission/last``: the last round that became final
+    queue_dir: str = dataclasses.field(init=False)  #: ``ROOT/admission/queue/``: nodes waiting for a place
 
     def __post_init__(self) -> None:
         root = join_key(self.prefix, "run_" + validate_run_id(self.run_id))
         for name, value in (("root", root), ("tree", root + "/"), ("state_dir", root + "/state/"),
                             ("round_record", root + "/state/round"), ("closed", root + "/state/closed"),
                             ("config", root + "/state/config"),
-                            ("version_counter", root + "/counter/version")):
+                            ("version_counter", root + "/counter/version"),
+                            ("queue_counter", root + "/counter/queue"),
+                            ("last_final", root + "/admission/last"), ("queue_dir", root + "/admission/queue/")):
             object.__setattr__(self, name, value)
+
+    def queued(self, node_id: str) -> str:
+        """``ROOT/admission/queue/NODE``: the admission queue key of node ``node_id`` (escaped as one segment)."""
+        return self.queue_dir + escape_segment(node_id)
 
     def of_round(self, version: int, rid: str | None, *parts: str) -> str:
         """A key of round ``(version, rid)``: ``ROOT/v_V.RID/PARTS``."""
@@ -313,9 +326,17 @@ def rank_of(key: str) -> str:
     return key.rsplit("/", 1)[-1]
 
 
+#: A keep-alive record's mark: its member left the round to re-join the run (UNIX time); the round is over.
+REJOINING = "rejoining"
+#: A keep-alive record's mark: the round segment (``v_V.ID``) of the round its re-joining member took a ticket in.
+REJOINED = "rejoined"
+
+
 def missing_ranks(entries: Iterable[Entry], world: int) -> list[int]:
-    """The ranks ``0 .. world-1`` without a keep-alive key among ``entries`` (a listing of ``alive_dir``)."""
-    present = {rank_of(e.key) for e in entries}
+    """The ranks ``0 .. world-1`` without a keep-alive key among ``entries`` (a listing of ``alive_dir``);
+    a key marked :data:`REJOINING` counts as missing (its member left the round)."""
+    present = {rank_of(e.key) for e in entries if REJOINING.encode() not in e.value or
+               REJOINING not in member_record(e)}
     return [r for r in range(world) if f"{RANK_PREFIX}{r}" not in present]
 
 

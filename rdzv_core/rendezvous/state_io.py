@@ -16,7 +16,7 @@ from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import Deadline
 
-__all__ = ["RoundIO", "delete_round_record", "restore_round", "log"]
+__all__ = ["RoundIO", "delete_round_record", "restore_round", "round_ended", "log"]
 
 #: The rendezvous' logger (one name for the whole package).
 log = logging.getLogger("rdzv_core.rendezvous")
@@ -83,6 +83,28 @@ def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord, recreate: bo
         _raise_counter(kv, keys.version_counter, final.version)
         return "restored"
     return None
+
+
+def round_ended(kv: KVBackend, keys: RunKeys, version: int, rid: str | None) -> bool:
+    """Whether round ``(version, rid)`` is over and the run goes on: another round's record is live, or there is
+    no record while the version counter reached ``version`` (the round was destroyed: a destroy never lowers
+    the counter). ``False`` while the run is closed, the record is the round's, or the backend lost it
+    (no record, the counter absent or behind: :func:`restore_round`).
+
+    Raises:
+        BackendUnavailableError, BackendClosedError: from ``kv``.
+        RendezvousStateError: the round record is corrupt.
+    """
+    if kv.get(keys.closed) is not None:
+        return False
+    entry = kv.get(keys.round_record)
+    if entry is not None:
+        return not RoundRecord.decode(entry).is_round(version, rid)
+    counter = kv.get(keys.version_counter)
+    try:
+        return counter is not None and int(counter.value) >= version
+    except ValueError:
+        return False
 
 
 def _raise_counter(kv: KVBackend, key: str, version: int) -> None:
