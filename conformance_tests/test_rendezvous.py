@@ -276,22 +276,24 @@ def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_i
     assert time.monotonic() - t0 >= TTL  # waited out the stall, did not destroy at first sight
 
 
-class _Hooked:
-    """A real client with hooks: ``before_take_ticket(key)`` and ``before_compare_and_delete(key)`` run first."""
+class Hooked:
+    """A real client with hooks: ``before_METHOD(first argument)`` runs before each call of ``METHOD``
+    (e.g. ``before_take_ticket(key)``, ``before_list(prefix)``)."""
 
-    def __init__(self, kv: KVBackend, **hooks: Callable[[str], None]) -> None:
+    def __init__(self, kv: KVBackend, **hooks: Callable[[Any], None]) -> None:
         self._kv, self._hooks = kv, hooks
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._kv, name)
+        attr = getattr(self._kv, name)
+        hook = self._hooks.get(f"before_{name}")
+        if hook is None:
+            return attr
 
-    def take_ticket(self, key: str) -> int:
-        self._hooks.get("before_take_ticket", lambda _: None)(key)
-        return self._kv.take_ticket(key)
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            hook(args[0] if args else None)
+            return attr(*args, **kwargs)
 
-    def compare_and_delete(self, key: str, revision: int) -> None:
-        self._hooks.get("before_compare_and_delete", lambda _: None)(key)
-        self._kv.compare_and_delete(key, revision)
+        return hooked
 
 
 def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_factory, run_id) -> None:
@@ -315,8 +317,8 @@ def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_
             b_holder[0].done.wait(30)
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
-    a = Agent(_Hooked(kv_factory(), before_compare_and_delete=let_b_finish_first), run_id, params)  # type: ignore[arg-type]
-    b = Agent(_Hooked(kv_factory(), before_take_ticket=hold_confirmation), run_id, params)  # type: ignore[arg-type]
+    a = Agent(Hooked(kv_factory(), before_compare_and_delete=let_b_finish_first), run_id, params)  # type: ignore[arg-type]
+    b = Agent(Hooked(kv_factory(), before_take_ticket=hold_confirmation), run_id, params)  # type: ignore[arg-type]
     b_holder.append(b)
     try:
         a.start(), b.start()
@@ -346,7 +348,7 @@ def test_a_confirmation_lost_to_a_backend_error_is_repaired_not_the_round_destro
 
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=TTL, last_call_timeout=0.5, timeout=15)
     a = Agent(kv_factory(), run_id, params)
-    b = Agent(_Hooked(kv_factory(), before_take_ticket=lose_first_confirmation), run_id, params)  # type: ignore[arg-type]
+    b = Agent(Hooked(kv_factory(), before_take_ticket=lose_first_confirmation), run_id, params)  # type: ignore[arg-type]
     try:
         a.start(), b.start()
         results = _wait_all([a, b], timeout=30)

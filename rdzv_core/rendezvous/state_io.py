@@ -74,6 +74,8 @@ def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord, recreate: bo
             reached = counter is not None and int(counter.value) >= final.version
         except ValueError:
             return None  # a corrupt counter: not ours to repair (the state machine reports it)
+        if reached and kv.get(keys.round_record) is not None:
+            continue  # restored meanwhile by another member (it creates the record before it raises the counter)
         if reached or not recreate:
             return None
         try:
@@ -102,9 +104,11 @@ def round_ended(kv: KVBackend, keys: RunKeys, version: int, rid: str | None) -> 
         return not RoundRecord.decode(entry).is_round(version, rid)
     counter = kv.get(keys.version_counter)
     try:
-        return counter is not None and int(counter.value) >= version
+        reached = counter is not None and int(counter.value) >= version
     except ValueError:
         return False
+    # A member that restores a lost record creates it before it raises the counter: read the record again.
+    return reached and kv.get(keys.round_record) is None
 
 
 def _raise_counter(kv: KVBackend, key: str, version: int) -> None:
