@@ -241,7 +241,8 @@ def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> Non
     answered 0 (the round record was no longer final) and the late node waited
     alone until its timeout. Then all three form the next round.
     """
-    group = [a.start() for a in agents(2, min_nodes=2, max_nodes=3)]
+    params = {"min_nodes": 2, "max_nodes": 3, "keep_alive_ttl": 3 * TTL}  # the late node is expected that long
+    group = [a.start() for a in agents(2, **params)]
     r1 = _wait_all(group)
     assert [a.rdzv.num_nodes_waiting() for a in group] == [0, 0]
     state_key = group[0].rdzv.keys.round_record
@@ -249,7 +250,8 @@ def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> Non
     assert entry is not None
     kv.compare_and_delete(state_key, entry.revision)  # what the late node's destroy does
     assert [a.rdzv.num_nodes_waiting() >= 1 for a in group] == [True, True]
-    late = agents(1, min_nodes=2, max_nodes=3)[0].start()
+    late = agents(1, **params)[0].start()
+    _until_true(lambda: group[0].rdzv.describe().get("queued") == 1, 20, "the late node queued")
     for a in group:  # the agents' monitor loop re-rendezvouses on num_nodes_waiting() > 0
         a.start()
     results = _wait_all(group + [late])

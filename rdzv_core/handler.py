@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 #: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
                      "local_addr", "on_progress", "store_timeout", "backend_name", "rank_policy", "node_rank",
-                     "node_labels", "closed_run_ttl")
+                     "node_labels", "closed_run_ttl", "reform")
 
 T = TypeVar("T")
 

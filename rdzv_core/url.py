@@ -138,6 +138,18 @@ DEFAULT_RANK_POLICY = "stable"
 _LABEL_PART = re.compile(r"[^\s=,]+")
 
 
+#: How a round that follows a final one forms (query key ``reform``; ``docs/design.md``, "Re-forming"):
+#: ``fast`` freezes it once nobody else is expected, ``last_call`` waits out the last call as a first round does.
+REFORM_RULES = ("fast", "last_call")
+DEFAULT_REFORM = "fast"
+
+
+def _reform(field_name: str, raw: str) -> str:
+    if raw not in REFORM_RULES:
+        raise InvalidURLError(field_name, raw, f"must be one of {', '.join(REFORM_RULES)}")
+    return raw
+
+
 def _rank_policy(field_name: str, raw: str) -> str:
     if raw not in RANK_POLICIES:
         raise InvalidURLError(field_name, raw, f"must be one of {', '.join(RANK_POLICIES)}")
@@ -181,6 +193,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "prefix": _prefix,
     "operation_timeout": to_positive_float,
     "rank_policy": _rank_policy,
+    "reform": _reform,
     "node_rank": lambda f, v: to_int(f, v, 0),
     "node_labels": _node_labels,
 }

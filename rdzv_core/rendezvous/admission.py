@@ -91,7 +91,6 @@ class Admission:
         self.previous: tuple[int, str | None] | None = None
         self.since: float | None = None
         self.position: int | None = None
-        self._looked_up = False  # ROOT/admission/last was read during this next_round
         self._value: dict[str, Any] = {}
         self._keepalive: KeepAlive | None = None
 
@@ -100,31 +99,51 @@ class Admission:
         if self.previous is None or version > self.previous[0]:
             self.previous = (version, rid)
 
-    def begin(self, version: int, last_round: tuple[int, str, int] | None) -> bool:
-        """This node is about to take a ticket in round ``version``: whether it must wait for its place
-        (there is a previous round, and this node was not a member of it or of a later one). Marks
-        ``since`` on the first call of a ``next_round``; reads ``ROOT/admission/last`` once per ``next_round``
-        for a round after the first.
+    def arrive(self, last_round: tuple[int, str, int] | None) -> None:
+        """``next_round`` begins: learn the previous round (``ROOT/admission/last``, and ``last_round``, the
+        ``(version, round id, rank)`` of this node's last round) and, if this node was not a member of it,
+        take a place in the queue at once, so that a round re-forming meanwhile expects it.
 
         Raises:
             BackendUnavailableError, BackendClosedError: from ``kv``.
+            RendezvousStateError: the queue counter is corrupt.
+        """
+        if last_round is not None:
+            self.saw_final(last_round[0], last_round[1] or None)
+        entry = self.kv.get(self.keys.last_final)
+        if entry is not None:
+            try:
+                data = json.loads(entry.value.decode("utf-8"))
+                self.saw_final(int(data["version"]), data.get("id") or None)
+            except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+                log.warning("run=%s: ignoring a malformed %s: %r", self.keys.run_id, self.keys.last_final,
+                            entry.value[:80])
+        if self._newcomer(last_round):
+            self.enqueue()
+
+    def _newcomer(self, last_round: tuple[int, str, int] | None) -> bool:
+        """Whether this node (last round ``last_round``) was not a member of the previous round or a later one."""
+        return self.previous is not None and (last_round is None or last_round[0] < self.previous[0])
+
+    def begin(self, version: int, last_round: tuple[int, str, int] | None) -> bool:
+        """This node is about to take a ticket in round ``version``: whether it must wait for its place (a round
+        after the previous one, and this node not a member of that or a later one). Marks ``since`` (when this
+        node began to join: the bound counts from it) unless set since this node last waited for a round to end.
+
+        Raises:
+            BackendUnavailableError, BackendClosedError: from ``kv``.
+            RendezvousStateError: the queue counter is corrupt.
         """
         if self.since is None:
             self.since = time.monotonic()
-        if not self._looked_up and version > 1:
-            self._looked_up = True
-            entry = self.kv.get(self.keys.last_final)
-            if entry is not None:
-                try:
-                    data = json.loads(entry.value.decode("utf-8"))
-                    self.saw_final(int(data["version"]), data.get("id") or None)
-                except (UnicodeDecodeError, ValueError, TypeError, KeyError):
-                    log.warning("run=%s: ignoring a malformed %s: %r", self.keys.run_id, self.keys.last_final,
-                                entry.value[:80])
-        previous = self.previous
-        if previous is None or previous[0] >= version:
+        if self.previous is None or self.previous[0] >= version or not self._newcomer(last_round):
             return False
-        return last_round is None or last_round[0] < previous[0]
+        self.enqueue()
+        return True
+
+    def waited(self) -> None:
+        """This node waited for a round to end (as a late node or spare): the bound counts afresh."""
+        self.since = None
 
     def enqueue(self) -> None:
         """Take a place at the end of the queue (once per ``next_round``): the key first, then the position,
@@ -170,7 +189,7 @@ class Admission:
             except (BackendUnavailableError, BackendClosedError) as exc:
                 log.warning("run=%s: could not leave the admission queue (its key lapses): %s", self.keys.run_id,
                             exc)
-        self.since, self.position, self._looked_up, self._value = None, None, False, {}
+        self.since, self.position, self._value = None, None, {}
 
     def look(self, version: int, rid: str | None, since: float) -> tuple[Expected, int]:
         """Who is expected in round ``(version, rid)``, counted from ``since`` (see the module), and the

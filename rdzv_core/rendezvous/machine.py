@@ -212,7 +212,6 @@ class RoundMachine(Membership):
         admission = self._admission
         if not admission.begin(version, self.last_round):
             return False
-        admission.enqueue()
         since = admission.since
         assert since is not None  # begin() set it
         until = min(since + self.params.keep_alive_ttl, deadline)
@@ -252,10 +251,12 @@ class RoundMachine(Membership):
         started = time.monotonic()
         end = min(started + p.last_call_timeout, deadline)
         self._log(logging.INFO, "reached min_nodes; last call for %.1f s", p.last_call_timeout, version=version)
-        # Past the last call, nodes still expected (incumbents, queued nodes: .admission) are waited for while
-        # places are free, within keep_alive_ttl of when this node began to join.
+        # A round after a final one (docs/design.md, "Re-forming"): past the last call, nodes still expected
+        # (incumbents, queued nodes: .admission) are waited for while places are free, within keep_alive_ttl of
+        # when this node began to join; with reform=fast it freezes as soon as nobody is expected.
         since = self._admission.since if self._admission.since is not None else started
         awaits = self._admission.previous is not None
+        fast = awaits and p.reform == "fast"
         until = min(max(end, since + ttl), deadline)
         while True:
             entry, record, seen = self._read_state_at()
@@ -264,13 +265,17 @@ class RoundMachine(Membership):
                 return
             now = time.monotonic()
             prefix, after, wake = self.keys.state_dir, entry.revision, min(now + ttl / 3, end)
-            if now >= end:
+            if now >= end or fast:
                 expected = self._admission.look(version, rid, since) if awaits and now < until else None
                 if expected is None or not expected[0].awaited(p.limit):
-                    self._freeze(version, rid, min(self._tickets(self.keys.joined(version, rid)), p.limit),
-                                 deadline)
+                    joined = min(self._tickets(self.keys.joined(version, rid)), p.limit)
+                    if now < end:
+                        self._log(logging.INFO, "nobody else expected: freezing at once with %d nodes", joined,
+                                  version=version)
+                    self._freeze(version, rid, joined, deadline)
                     return
-                prefix, after, wake = self.keys.tree, expected[1], min(now + ttl / 3, until, expected[0].until)
+                prefix, after = self.keys.tree, expected[1]
+                wake = min(now + ttl / 3, until if now >= end else end, expected[0].until)
             try:
                 self.kv.refresh(self.keys.round_record, ttl)
             except KeyNotFoundError:
@@ -439,7 +444,7 @@ class RoundMachine(Membership):
         member = self.last_round is not None and self.last_round[:2] == (version, rid or "")
         self._admission.saw_final(version, rid)
         if not member:
-            self._admission.enqueue()  # arrival order among the nodes waiting for a place
+            self._admission.enqueue()  # arrival order among the nodes waiting for a place (once per next_round)
         answering = Responsiveness(slow=ttl / 3, max_gap=2 * ttl / 3)
         missing_since: float | None = None  # when a prompt look first showed a rank missing
         while True:
@@ -464,6 +469,7 @@ class RoundMachine(Membership):
             entry_now = self._read_state()[0]
             if entry_now is None or entry_now.revision != entry.revision:
                 break
+        self._admission.waited()
         return time.monotonic() - started if spare else 0.0
 
     def _progress(self, phase: str, version: int, joined: int, deadline: float) -> None:

@@ -78,6 +78,7 @@ class Rendezvous(RoundMachine):
         last_error: BackendUnavailableError | None = None
         outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
         checked = False  # the run's configuration, once per next_round, before anything is joined
+        arrived = False  # this node's place in the admission order, once per next_round
         while time.monotonic() < deadline:
             try:
                 if not checked:
@@ -86,6 +87,9 @@ class Rendezvous(RoundMachine):
                     if recorded and config is not None:
                         self._log(logging.INFO, "recorded the run's configuration: %s",
                                   ", ".join(f"{k}={shown(v)}" for k, v in config.as_dict().items()))
+                if not arrived:
+                    self._admission.arrive(self.last_round)
+                    arrived = True
                 result = self._attempt(deadline)
                 outage.recovered("backend reachable again")
                 self.current = result
@@ -287,8 +291,9 @@ class Rendezvous(RoundMachine):
         return self.keys.store_prefix(version, self._rid_of(version, round_id))
 
     def describe(self) -> dict[str, Any]:
-        """The run's current state as plain data: the record's fields, alive members, joined and waiting, and
-        ``group_ranks`` (the group rank of each slot) when the round's rank policy gave them.
+        """The run's current state as plain data: the record's fields, alive members, joined and waiting,
+        ``queued`` (nodes in the admission queue) and ``group_ranks`` (the group rank of each slot) when the
+        round's rank policy gave them.
 
         Raises:
             RendezvousStateError: the round record or a counter is corrupt.
@@ -302,6 +307,7 @@ class Rendezvous(RoundMachine):
             out["alive"] = [member_record(e) for e in alive]
             out["joined"] = self._tickets(self.keys.joined(record.version, record.id))
             out["waiting"] = self._tickets(self.keys.waiting(record.version, record.id))
+        out["queued"] = len(self.kv.list(self.keys.queue_dir)[0])
         if record.ranks is not None:  # slot -> group rank (docs/ranks.md); a member's "rank" above is its slot
             ranks = self.kv.get(self.keys.ranks(record.version, record.id))
             out["group_ranks"] = member_record(ranks).get("ranks") if ranks is not None else None

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..url import DEFAULT_RANK_POLICY, RANK_POLICIES, parse_node_labels
+from ..url import DEFAULT_RANK_POLICY, DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, parse_node_labels
 
 __all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL", "DEFAULT_CLOSED_RUN_TTL"]
 
@@ -35,6 +35,9 @@ class RendezvousParams:
                                     (``docs/ranks.md``)
     node_rank            None       the group rank this node asks for (int >= 0)
     node_labels          ""         this node's labels ``KEY=VALUE[,...]`` (topology)
+    reform               fast       a round after a final one: ``fast`` freezes it once
+                                    nobody else is expected, ``last_call`` waits out
+                                    the last call (``docs/design.md``, "Re-forming")
     ===================  =========  ===================================================
 
     Raises:
@@ -51,6 +54,7 @@ class RendezvousParams:
     rank_policy: str = DEFAULT_RANK_POLICY
     node_rank: int | None = None
     node_labels: str = ""
+    reform: str = DEFAULT_REFORM
 
     @classmethod
     def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
@@ -61,7 +65,7 @@ class RendezvousParams:
             ConfigError: a value is out of range (names the field and value).
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
-                  "node_rank", "node_labels", "closed_run_ttl")
+                  "node_rank", "node_labels", "closed_run_ttl", "reform")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -88,6 +92,8 @@ class RendezvousParams:
                               f"must be >= {MIN_KEEP_ALIVE_TTL} s (it is refreshed every TTL/3 over the network)")
         if self.rank_policy not in RANK_POLICIES:
             raise ConfigError("rank_policy", self.rank_policy, f"must be one of {', '.join(RANK_POLICIES)}")
+        if self.reform not in REFORM_RULES:
+            raise ConfigError("reform", self.reform, f"must be one of {', '.join(REFORM_RULES)}")
         rank = self.node_rank
         if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
             raise ConfigError("node_rank", rank, "must be an int >= 0 (the group rank this node asks for)")

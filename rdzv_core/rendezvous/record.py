@@ -34,7 +34,7 @@ from typing import Any, Iterable
 
 from ..errors import RendezvousStateError
 from ..kv import Entry, escape_segment, join_key
-from ..url import RANK_POLICIES, validate_run_id
+from ..url import DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, validate_run_id
 
 __all__ = ["Status", "RoundRecord", "RunConfig", "RUN_SETTINGS", "RunKeys", "round_segment", "member_record",
            "missing_ranks", "encode_json", "MAX_STATE_BYTES", "REJOINING", "REJOINED"]
@@ -159,7 +159,8 @@ def _int_field(state: dict[str, Any], name: str, key: str, minimum: int = 1, wha
 
 
 #: The settings every node of a run must share, in the order a mismatch is reported (``RunConfig``).
-RUN_SETTINGS = ("min_nodes", "max_nodes", "last_call_timeout", "keep_alive_ttl", "rank_policy", "closed_run_ttl")
+RUN_SETTINGS = ("min_nodes", "max_nodes", "last_call_timeout", "keep_alive_ttl", "rank_policy", "closed_run_ttl",
+                "reform")
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,7 @@ class RunConfig:
         last_call_timeout, keep_alive_ttl: seconds (float > 0).
         rank_policy: ``join``, ``stable`` or ``topology``.
         closed_run_ttl: seconds a closed run's keys are kept (float > 0), ``None``: until deleted.
+        reform: ``fast`` or ``last_call`` (``RendezvousParams.reform``).
     """
 
     min_nodes: int
@@ -180,6 +182,7 @@ class RunConfig:
     keep_alive_ttl: float
     rank_policy: str
     closed_run_ttl: float | None
+    reform: str = DEFAULT_REFORM
 
     def as_dict(self) -> dict[str, Any]:
         """The configuration as stored: a JSON object of :data:`RUN_SETTINGS` (``closed_run_ttl`` ``None``
@@ -226,9 +229,13 @@ class RunConfig:
         if policy not in RANK_POLICIES:
             raise RendezvousStateError(f"{what} at {key!r}: 'rank_policy' must be a rank policy, got {policy!r:.80}",
                                        key)
+        reform = state.get("reform", DEFAULT_REFORM)
+        if reform not in REFORM_RULES:
+            raise RendezvousStateError(f"{what} at {key!r}: 'reform' must be one of {', '.join(REFORM_RULES)}, "
+                                       f"got {reform!r:.80}", key)
         last_call, ttl = seconds[0], seconds[1]
         assert last_call is not None and ttl is not None  # only closed_run_ttl may be None
-        return cls(low, high, last_call, ttl, str(policy), seconds[2])
+        return cls(low, high, last_call, ttl, str(policy), seconds[2], str(reform))
 
 
 def round_segment(version: int, rid: str | None) -> str:

@@ -28,7 +28,8 @@ _PASSES = 8
 def config_of(params: RendezvousParams) -> RunConfig:
     """The run settings (:data:`~.record.RUN_SETTINGS`) of a node's ``params``."""
     return RunConfig(params.min_nodes, params.limit, float(params.last_call_timeout), float(params.keep_alive_ttl),
-                     params.rank_policy, None if params.closed_run_ttl is None else float(params.closed_run_ttl))
+                     params.rank_policy, None if params.closed_run_ttl is None else float(params.closed_run_ttl),
+                     params.reform)
 
 
 def shown(value: Any) -> str:
