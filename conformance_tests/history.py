@@ -27,9 +27,9 @@ Predicates (each checks the documented promise and nothing stricter):
    the end of ``V`` (the time a survivor keeps its place). If ``W`` holds only members of ``V`` (so it is
    not full of others' newcomers), ``M`` missing it is not a displacement and is not checked.
 3. **FIFO among waiting nodes.** A node *waits* from ``w``: its ask time for a non-member's ask; for a
-   survivor's ask left out of the first round formed after it, ``last`` of that round (it is queued only
-   once it sees that round final). It waits until its next admission, its kill, or :meth:`History.stop`.
-   Violation if ``Y`` is admitted to ``R``; ``X`` is not in ``R``; ``w(X) + order_margin <= w(Y)`` (the
+   survivor's ask, if a round with a higher version than its last round formed without it, the later of its
+   ask and ``last`` of that round (it is queued once it knows that round final); else it is not checked.
+   It waits until its next admission, its kill, or :meth:`History.stop`. Violation if ``Y`` is admitted to ``R``; ``X`` is not in ``R``; ``w(X) + order_margin <= w(Y)`` (the
    margin covers the backend round trips between ``next_round`` and taking a place in the queue); both
    began waiting after the history's first admission (before any final round there is no queue); ``X``
    was still waiting and not killed at ``last(R)``; and it is not excused by the documented bound: ``Y``
@@ -305,9 +305,10 @@ class History:
         for wait in waits:
             if wait.survivor_of is None:
                 continue
-            missed = [r for r in rounds if r.key[0] > wait.survivor_of[0] and r.first >= wait.asked and
-                      wait.node not in r.members and r.last < wait.admitted_at]
-            wait.start = missed[0].last if missed else float("inf")  # never queued: not in the FIFO check
+            missed = [r for r in rounds if r.key[0] > wait.survivor_of[0] and wait.node not in r.members and
+                      r.last < wait.admitted_at]
+            # queued at its ask if a newer round had formed already, else once the first newer round forms
+            wait.start = max(wait.asked, missed[0].last) if missed else float("inf")  # never queued: not checked
         return waits
 
     def _fifo(self, rounds: list[_Round]) -> list[str]:
