@@ -28,14 +28,14 @@ Predicates (each checks the documented promise and nothing stricter):
    not full of others' newcomers), ``M`` missing it is not a displacement and is not checked.
 3. **FIFO among waiting nodes.** A node *waits* from ``w``: its ask time for a non-member's ask; for a
    survivor's ask, if a round with a higher version than its last round formed without it, the later of its
-   ask and ``last`` of that round (it is queued once it knows that round final); else it is not checked.
-   It waits until its next admission, its kill, or :meth:`History.stop`. Violation if ``Y`` is admitted to ``R``; ``X`` is not in ``R``; ``w(X) + order_margin <= w(Y)`` (the
-   margin covers the backend round trips between ``next_round`` and taking a place in the queue); both
-   began waiting after the history's first admission (before any final round there is no queue); ``X``
-   was still waiting and not killed at ``last(R)``; and it is not excused by the documented bound: ``Y``
-   waited at least ``ttl`` (``last(R) - w(Y) >= ttl``) and some node was killed within
-   ``[w(Y) - ttl - lapse_slack, last(R)]`` (its keys, which ``Y`` waited behind, lapse within ``ttl`` of the
-   death; ``lapse_slack`` allows a backend's late expiry).
+   ask and ``last`` of that round (it is queued once it knows that round final); else it is not checked. It
+   waits until its next admission, its kill, or :meth:`History.stop`. Violation if ``Y`` is admitted to ``R``;
+   ``X`` is not in ``R``; ``w(X) + order_margin <= w(Y)`` (the margin covers the backend round trips between
+   ``next_round`` and taking a place in the queue); both began waiting after the history's first admission
+   (before any final round there is no queue); ``X`` was still waiting and not killed at ``last(R)``; and it
+   is not excused by the documented bound: ``Y`` waited at least ``ttl`` (``last(R) - w(Y) >= ttl``) and some
+   node was killed within ``[w(Y) - ttl - lapse_slack, last(R)]`` (its keys, which ``Y`` waited behind, lapse
+   within ``ttl`` of the death; ``lapse_slack`` allows a backend's late expiry).
 
 A round none of whose members returned (all killed at once) is not seen; the predicates are then checked
 against the next round seen, which is why every violation message names the rounds it used.
