@@ -3,8 +3,8 @@
 Each agent is a thread with its own backend client: it calls ``next_round``, then, as an elastic agent's
 monitor loop does, polls ``num_nodes_waiting()`` every ``poll`` s (uniform in the range) and re-joins
 when it is >= 1. A controller thread of the caller acts every ``tick`` s (uniform in the range): kills an
-agent (closes its client), has a member leave for good (``leave()``), and lets new agents arrive to keep
-about ``agents`` alive. Actions and pacing are drawn from ``random.Random(seed)``; thread timing is not
+agent (closes its client; a member in half of the kills), has a member leave for good (``leave()``), and
+lets new agents arrive to keep about ``agents`` alive. Actions and pacing are drawn from ``random.Random(seed)``; thread timing is not
 deterministic, so a seed reproduces the actions' sequence, not the interleaving.
 """
 
@@ -121,11 +121,11 @@ def run_churn(clients: Callable[[], KVBackend], seed: int, *, agents: int = 12, 
             time.sleep(min(rng.uniform(*tick), max(0.0, end - time.monotonic())))  # the churn's own pacing
             alive = [a for a in result.agents if not a.killed and a.thread.is_alive()]
             draw = rng.random()
-            if alive and draw < p_kill:
-                rng.choice(alive).kill()
+            members = [a for a in alive if a.member and not a.leave_now.is_set()]
+            if alive and draw < p_kill:  # half of the kills hit a member (most agents are spares)
+                rng.choice(members if members and rng.random() < 0.5 else alive).kill()
                 result.kills += 1
             elif draw < p_kill + p_leave:
-                members = [a for a in alive if a.member and not a.leave_now.is_set()]
                 if members:
                     rng.choice(members).leave_now.set()
                     result.leaves += 1
