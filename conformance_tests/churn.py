@@ -1,11 +1,11 @@
 """A seeded churn of rendezvous agents recorded into a :class:`~conformance_tests.history.History`.
 
 Each agent is a thread with its own backend client: it calls ``next_round``, then, as an elastic agent's
-monitor loop does, polls ``num_nodes_waiting()`` every ``poll`` s (uniform in the range) and re-joins
-when it is >= 1. A controller thread of the caller acts every ``tick`` s (uniform in the range): kills an
-agent (closes its client; a member in half of the kills), has a member leave for good (``leave()``), and
-lets new agents arrive to keep about ``agents`` alive. Actions and pacing are drawn from ``random.Random(seed)``; thread timing is not
-deterministic, so a seed reproduces the actions' sequence, not the interleaving.
+monitor loop does, polls ``num_nodes_waiting()`` every ``poll`` s (uniform in the range) and re-joins when it
+is >= 1. A controller thread of the caller acts every ``tick`` s (uniform in the range): kills an agent
+(closes its client; a member in half of the kills), has a member leave for good (``leave()``), and lets new
+agents arrive to keep about ``agents`` alive. Actions and pacing are drawn from ``random.Random(seed)``;
+thread timing is not deterministic, so a seed reproduces the actions' sequence, not the interleaving.
 """
 
 from __future__ import annotations
