@@ -5,7 +5,7 @@ its own run):
 members A, B, C form a round (``min_nodes=2, max_nodes=3, last_call_timeout=1, keep_alive_ttl=3``);
 spare S1, then spare S2, wait (each counted once its progress says ``spare``); C calls ``leave()``; A and B
 poll ``num_nodes_waiting()`` every P s (P uniform in [0.5, 2.0], a random phase) and call ``next_round()``
-when it is >= 1. The next round is the first that three of A, B, S1, S2 report. Counted: trials where A or
+when it is >= 1. The next round is the first that all its members (world size) report. Counted: trials where A or
 B is not in it (*displaced*), trials where S2 is in it and S1 not (*FIFO broken*), trials where no next
 round formed within ``--trial-timeout`` s.
 
@@ -114,13 +114,13 @@ def displacement_trial(url: str, rng: random.Random, timeout: float = 60.0, retr
     stop = threading.Event()
 
     def next_round_after(version: int, until: float) -> tuple[int, frozenset[str], float] | None:
-        """The first round after ``version`` that ``max_nodes`` nodes reported: version, members, last return."""
+        """The first round after ``version`` that all its members reported: version, members, last return."""
         while time.monotonic() < until:
             with lock:
                 later = [(n, r, t) for n, r, t in results if r.version > version]
             for v in sorted({r.version for _, r, _ in later}):
                 members = [(n, t) for n, r, t in later if r.version == v]
-                if len(members) == params.limit:
+                if len(members) == min(r.world_size for _, r, _ in later if r.version == v):
                     return v, frozenset(n for n, _ in members), max(t for _, t in members)
             time.sleep(0.05)
         return None
