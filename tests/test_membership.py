@@ -279,3 +279,33 @@ def test_nodes_with_different_worker_counts_get_distinct_ranks(job) -> None:
         assert r["rank"] == base + r["local_rank"], starts
         assert (r["role_rank"], r["role_world"]) == (r["rank"], 3), starts
 
+
+
+# -- 5. re-forming at the default last call ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
+def test_survivors_re_form_without_waiting_out_the_default_last_call(job, launcher) -> None:
+    """torch's default last call (30 s), ``--nnodes 2:3``: A, B and C train (the first round freezes at
+    max_nodes). C is killed: A and B train again at world size 2 well before a 30 s last call could have
+    ended (nobody else is expected: the round froze as soon as both had joined). C comes back: it joins as
+    a grow and all three train at world size 3."""
+    if job.backend.scheme not in ("redis", "file"):
+        pytest.skip("the re-forming rule lives in the one state machine: Redis and file cover it end to end")
+    torchrun = _torchrun_on_redis(job, launcher)
+    del job.query["last_call_timeout"]  # torch's default: 30 s
+    for name in ("A", "B", "C"):
+        job.node(name, "2:3", torchrun=torchrun)
+    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
+    job.nodes["C"].kill_all()
+    killed = time.time()
+    # detection (at once: the workers' collective fails) + a round without last call + new workers (torch import)
+    wait_until(_training(job, ["A", "B"], 2, after=killed), 25.0, "A and B training at world size 2 before "
+               "a 30 s last call could end", job.tails)
+    job.node("C2", "2:3", torchrun=torchrun)
+    back = time.time()
+    wait_until(_training(job, ["A", "B", "C2"], 3, after=back), START, "A, B and the returning C training at "
+               "world size 3", job.tails)
+    job.touch("stop-all")
+    for name in ("A", "B", "C2"):
+        assert job.nodes[name].wait(60) == 0, job.tails()
