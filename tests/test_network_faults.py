@@ -36,7 +36,7 @@ import pytest
 
 from agent_workers.harness import wait_until
 from conformance_tests.proxy import Mode, TCPProxy
-from conformance_tests.test_rendezvous import Agent, _Hooked, round_of
+from conformance_tests.test_rendezvous import Agent, Hooked, round_of
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
@@ -333,7 +333,7 @@ def test_a_node_interrupted_while_waiting_keeps_its_ticket(
     assert {(r.version, r.world_size) for r in results} == {(state["version"], 2)}
 
 
-def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threading.Event]:
+def _held_confirmation(kv: KVBackend) -> tuple[Hooked, threading.Event, threading.Event]:
     """``(client, waiting, release)``: a real client whose first ``take_ticket`` at a ``.../confirmed`` key sets
     ``waiting`` and waits for ``release``."""
     waiting, release = threading.Event(), threading.Event()
@@ -343,7 +343,7 @@ def _held_confirmation(kv: KVBackend) -> tuple[_Hooked, threading.Event, threadi
             waiting.set()
             release.wait(60)
 
-    return _Hooked(kv, before_take_ticket=hold), waiting, release
+    return Hooked(kv, before_take_ticket=hold), waiting, release
 
 
 def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
