@@ -14,9 +14,9 @@ join):
 
 * an incumbent, while its keep-alive key in the previous round is present, not finished, and not marked
   as having taken a ticket in this round: for ``keep_alive_ttl`` once it is marked re-joining (its process
-  saw the round end, or its agent called ``next_round``), for :data:`UNMARKED_GRACE` x ``keep_alive_ttl``
-  while unmarked (a live member marks itself within that; a dead member's key, alive until its TTL, is not
-  waited for longer);
+  saw the round end, or its agent called ``next_round``), for :func:`unmarked_grace` (``keep_alive_ttl / 3``,
+  at most :data:`UNMARKED_GRACE_MAX` s) while unmarked (a live member marks itself within that; a dead
+  member's key, alive until its TTL, is not waited for longer);
 * a queued node, until it took a ticket in this round, for ``keep_alive_ttl``.
 
 The previous round is the last final round the node saw, or ``ROOT/admission/last`` (written when a round
@@ -36,12 +36,18 @@ from ..keepalive import KeepAlive
 from ..kv import KVBackend
 from .record import REJOINED, REJOINING, RunKeys, encode_json, member_record, round_segment
 
-__all__ = ["Admission", "Expected", "UNMARKED_GRACE", "write_last_final"]
+__all__ = ["Admission", "Expected", "UNMARKED_GRACE_MAX", "unmarked_grace", "write_last_final"]
 
 log = logging.getLogger("rdzv_core.rendezvous")
 
-#: Fraction of ``keep_alive_ttl`` an incumbent whose key is not marked re-joining is expected for.
-UNMARKED_GRACE = 1 / 3
+#: Seconds an incumbent whose key is not marked re-joining is expected for, at most: its round watch marks
+#: it as soon as it sees the round end, so a key still unmarked after that is most likely a dead member's.
+UNMARKED_GRACE_MAX = 0.5
+
+
+def unmarked_grace(ttl: float) -> float:
+    """Seconds an unmarked incumbent is expected for: ``ttl / 3``, at most :data:`UNMARKED_GRACE_MAX`."""
+    return min(ttl / 3, UNMARKED_GRACE_MAX)
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ class Admission:
                 member = member_record(entry)
                 if "finished" in member or "corrupt" in member or member.get(REJOINED) == segment:
                     continue
-                expires = since + (self.ttl if REJOINING in member else UNMARKED_GRACE * self.ttl)
+                expires = since + (self.ttl if REJOINING in member else unmarked_grace(self.ttl))
                 if now < expires:
                     incumbents += 1
                     until = min(until, expires)
