@@ -138,6 +138,9 @@ class LaunchConfig:
     #: ``--keep-orphans`` (``PET_KEEP_ORPHANS``): processes the workers leave behind are not stopped
     #: (:mod:`rdzv_agent.reaper`).
     keep_orphans: bool = False
+    #: ``--warm-workers``/``--warm-imports``: the modules warm workers import besides torch, ``None``: no warm
+    #: workers (:mod:`rdzv_agent.warm`).
+    warm_imports: list[str] | None = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -232,7 +235,25 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         metrics_port=_metrics_port(getattr(args, "metrics_port", None), environ),
         progress_interval=interval_from_env(environ),
         keep_orphans=bool(getattr(args, "keep_orphans", False)),
+        warm_imports=_warm_imports(args),
     )
+
+
+def _warm_imports(args: argparse.Namespace) -> list[str] | None:
+    """What warm workers import besides torch, or ``None`` if they are off (the default).
+
+    Raises:
+        ConfigError: ``--warm-imports`` with ``--no-warm-workers``.
+    """
+    imports = getattr(args, "warm_imports", None)
+    if getattr(args, "no_warm_workers", False):
+        if imports:
+            raise ConfigError(as_given(args, "--warm-imports"), ",".join(imports),
+                              "needs warm workers, which --no-warm-workers turns off")
+        return None
+    if imports is None and not getattr(args, "warm_workers", False):
+        return None
+    return list(imports or [])
 
 
 def _metrics_port(given: int | None, environ: Mapping[str, str]) -> int | None:
