@@ -7,13 +7,13 @@ or ``code``), the entry (a path, a module name or code), the modules to import a
 (comma-separated) and the worker's arguments.
 
 Before the imports it sets ``sys.argv`` and ``sys.path[0]`` as a cold ``python -u ENTRY ARGS``
-would have them while it imports, and switches itself to ``SCHED_IDLE`` (the launcher switches
-it back at activation). After the imports it writes ``R`` (ready) or ``F`` + the error on the
-socket, then blocks on it. The activation message (an 8-byte length, JSON ``{"env", "cwd"}``,
-and the stdout/stderr fds) makes it replace ``os.environ``, change directory, move its
-stdout/stderr onto the given fds (replaying what the imports wrote), restore the signal
-dispositions it started with, reset ``__main__`` and run the entry as CPython would. The
-socket closing first (the launcher dropped it, or died) ends it with status 0.
+would have them while it imports (at ``SCHED_IDLE``, set by the launcher until the round needs
+it). After the imports it writes ``R`` (ready) or ``F`` + the error on the socket, then blocks
+on it. The activation message (an 8-byte length, JSON ``{"env", "cwd"}``, the stdout and stderr
+fds) makes it replace ``os.environ``, change directory, move its stdout/stderr onto the given
+fds (replaying what the imports wrote), restore the signal dispositions it started with, reset
+``__main__`` and run the entry as CPython would. The socket closing first (the launcher dropped
+it, or died) ends it with status 0.
 """
 
 import json
@@ -99,10 +99,6 @@ def main() -> None:
     else:
         sys.argv = ["-c", *args]
         sys.path[0] = ""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass
     sock = socket.socket(fileno=sock_fd)
     status = b"R\n"
     for name in ["torch", *filter(None, imports.split(","))]:

@@ -13,7 +13,9 @@ It was started as a cold worker is: its own session, ``PR_SET_PDEATHSIG``, stdin
 ``/dev/null``, no other fds, the reaper's token in its environment (:mod:`rdzv_agent.reaper`), and
 under ``numactl`` with ``--numa-binding``. The next generation is started once the workers run.
 
-A slot starts cold instead when its warm process is gone, its imports failed (a WARNING names
+A start first waits for the slot's warm process to finish its imports (it is switched back to
+normal priority: the wait replaces the imports a cold start would do). A slot starts cold instead
+when its warm process is gone, its imports failed (a WARNING names
 ``--warm-imports`` and the error; warm workers then stay off for the run), or its slot environment
 differs from the one it was started with. Commands that are not ``PYTHON -u SCRIPT|-m MODULE|-c
 CODE ...`` (``--no-python``, a directory or zip as SCRIPT) always start cold
@@ -34,7 +36,7 @@ from typing import Callable, Mapping, Sequence
 
 from .reaper import NodeReaper
 
-__all__ = ["WarmProcess", "WarmPool", "boot_argv", "BOOT", "LOADER", "FD_PLACEHOLDER"]
+__all__ = ["WarmProcess", "WarmPool", "boot_argv", "BOOT", "LOADER", "FD_PLACEHOLDER", "READY_TIMEOUT", "entry_path0"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,9 @@ BOOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_warm_boot.py")
 LOADER = ("import sys; p = sys.argv[1]; g = {'__name__': '_rdzv_warm_boot', '__file__': p}; "
           "exec(compile(__import__('pathlib').Path(p).read_bytes(), p, 'exec'), g); g['main']()")
 _HEADER = 8
+#: Seconds a start waits for a warm process to finish its imports (it runs at normal priority then) before
+#: it starts that worker cold: the wait costs nothing a cold start would not spend importing the same modules.
+READY_TIMEOUT = 120.0
 #: Stands for the socket's fd in a :func:`boot_argv` command.
 FD_PLACEHOLDER = "{fd}"
 
@@ -70,6 +75,34 @@ def boot_argv(program: str, args: Sequence[str], imports: Sequence[str]) -> list
     return [program, "-u", "-c", LOADER, BOOT, FD_PLACEHOLDER, kind, entry, ",".join(imports), *rest]
 
 
+def entry_path0(args: Sequence[str]) -> str | None:
+    """``sys.path[0]`` of the worker that ``PYTHON *args`` starts (``None``: not a :func:`boot_argv` command)."""
+    if len(args) < 2 or args[0] != "-u":
+        return None
+    if args[1] == "-m":
+        return os.getcwd()
+    if args[1] == "-c":
+        return ""
+    return os.path.dirname(os.path.realpath(args[1]))
+
+
+def _idle_then(preexec: Callable[[], None] | None) -> Callable[[], None]:
+    """A ``preexec_fn``: ``SCHED_IDLE`` (best effort), then ``preexec``. In the child, so no thread escapes it."""
+    idle = getattr(os, "SCHED_IDLE", None)
+    param = os.sched_param(0)
+
+    def run() -> None:
+        if idle is not None:
+            try:
+                os.sched_setscheduler(0, idle, param)
+            except OSError:
+                pass
+        if preexec is not None:
+            preexec()
+
+    return run
+
+
 def _sched_other(pid: int) -> None:
     """Put every thread of ``pid`` back to the normal scheduling policy (best effort)."""
     try:
@@ -89,7 +122,8 @@ class WarmProcess:
     Args:
         argv: the command from :func:`boot_argv` (possibly after numactl's).
         env: the slot's environment (round-independent variables only).
-        preexec: the ``preexec_fn`` of a cold worker (``PR_SET_PDEATHSIG``), or ``None``.
+        preexec: the ``preexec_fn`` of a cold worker (``PR_SET_PDEATHSIG``), or ``None``; the process starts at
+            ``SCHED_IDLE`` (:meth:`wait_ready` puts it back).
 
     Raises:
         OSError: the process cannot be started.
@@ -105,7 +139,7 @@ class WarmProcess:
                 [str(child.fileno()) if a == FD_PLACEHOLDER else a for a in argv],
                 env=self.slot_env, stdin=subprocess.DEVNULL, stdout=out, stderr=err,
                 pass_fds=(child.fileno(),), start_new_session=True, close_fds=True,
-                preexec_fn=preexec,
+                preexec_fn=_idle_then(preexec),
             )
         except OSError:
             self._sock.close()
@@ -117,22 +151,28 @@ class WarmProcess:
         self.pid = self.popen.pid
         self._status = b""
 
-    def status(self) -> str | None:
-        """``"ready"``, ``"failed: ERROR"`` (an import failed), or ``None`` (still importing, or gone)."""
-        self._sock.setblocking(False)
+    def wait_ready(self, timeout: float) -> str | None:
+        """Wait up to ``timeout`` seconds for the imports to end, at normal priority from now on.
+
+        Returns:
+            ``"ready"``; ``"failed: NAME: ERROR"`` (an import raised); or ``None``: no answer in time, or it
+            exited.
+        """
+        _sched_other(self.pid)
+        self._sock.settimeout(timeout)
         try:
-            self._status += self._sock.recv(4096)
-        except (BlockingIOError, InterruptedError):
-            pass
-        except OSError:
+            while not self._status.endswith(b"\n"):
+                chunk = self._sock.recv(4096)
+                if not chunk:
+                    return None
+                self._status += chunk
+        except OSError:  # the timeout included
             return None
         finally:
-            self._sock.setblocking(True)
+            self._sock.settimeout(None)
         if self._status.startswith(b"R"):
             return "ready"
-        if self._status.startswith(b"F") and self._status.endswith(b"\n"):
-            return "failed: " + self._status[1:].decode("utf-8", "replace").strip()
-        return None
+        return "failed: " + self._status[1:].decode("utf-8", "replace").strip()
 
     def activate(self, env: Mapping[str, str], stdout_fd: int, stderr_fd: int) -> None:
         """Make it the worker: send ``env``, this process's cwd and the two fds (which stay open here).
@@ -142,7 +182,6 @@ class WarmProcess:
         """
         if self.popen.poll() is not None:
             raise OSError(f"warm process {self.pid} exited with {self.popen.returncode}")
-        _sched_other(self.pid)
         payload = json.dumps({"env": dict(env), "cwd": os.getcwd()}).encode("utf-8")
         data = len(payload).to_bytes(_HEADER, "big") + payload
         sent = self._sock.sendmsg([data[:1 << 16]],
@@ -204,22 +243,28 @@ class WarmPool:
                 self._reaper.keep([self._slots[lr].pid])
 
     def take(self, local_rank: int, slot_env: Mapping[str, str]) -> WarmProcess | None:
-        """The slot's warm process, if it can start the worker exactly; else ``None`` (it is discarded)."""
+        """The slot's warm process, if it can start the worker exactly; else ``None`` (it is discarded).
+
+        Waits for its imports to end (:meth:`WarmProcess.wait_ready`, at most :data:`READY_TIMEOUT` s): one that
+        failed is a WARNING and turns warm workers off for the run, as the failure would recur.
+        """
         warm = self._slots.pop(local_rank, None)
         if warm is None:
             return None
         if self._reaper is not None:
             self._reaper.release([warm.pid])
-        status = warm.status()
+        status = warm.wait_ready(READY_TIMEOUT)
         reason = None
         if status is not None and status.startswith("failed"):
-            log.warning("--warm-imports %s: %s; warm workers are off for this run (the workers start cold)",
-                        ",".join(self.imports), status[len("failed: "):])
+            log.warning("warm workers: an import failed in the warm process (%s; --warm-imports %s): the workers "
+                        "start cold, and warm workers are off for this run", status[len("failed: "):],
+                        ",".join(self.imports) or "not given")
             self.enabled = False
             self.close()
             reason = "its imports failed"
-        elif warm.popen.poll() is not None:
-            reason = f"it exited with {warm.popen.returncode}"
+        elif status is None:
+            reason = f"it exited with {warm.popen.poll()}" if warm.popen.poll() is not None else \
+                f"its imports did not end within {READY_TIMEOUT:g} s"
         elif warm.slot_env != dict(slot_env):
             reason = "the slot's environment changed"
         if reason is None:
