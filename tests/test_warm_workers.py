@@ -6,7 +6,7 @@ for per-run values, ``__main__``, ``sys.path[0]``, cwd, pickling, signal disposi
 signal, scheduling, fds), how they ended (the launcher's failure lines: exit codes 1 and 3, a signal), the
 error file of ``@record``, tracebacks and output in the log files and on the console. Warm runs must have
 run every attempt in a warm process, restarts included. No warm process may outlive its launcher: normal
-exit, ``kill -9``. A warm import that fails is a WARNING and a cold start.
+exit, SIGTERM, ``kill -9``. A warm import that fails is a WARNING and a cold start.
 """
 
 from __future__ import annotations
@@ -174,19 +174,20 @@ def _warm_processes(marker):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("end", ["exit", "kill -9"])
+@pytest.mark.parametrize("end", ["exit", "SIGTERM", "kill -9"])
 def test_no_warm_process_outlives_the_launcher(tmp_path, launchers, end):
     shutil.copy(PROBE, tmp_path / "warm_probe.py")
-    launcher = _run(tmp_path, "warm", ["--nproc-per-node", "2", "warm_probe.py", "hang" if end == "kill -9" else "ok"],
+    launcher = _run(tmp_path, "warm", ["--nproc-per-node", "2", "warm_probe.py", "ok" if end == "exit" else "hang"],
                     warm=True, wait=False)
     launchers.append(launcher)
-    if end == "kill -9":
+    if end != "exit":
         wait_until(lambda: len(_reports(launcher)) == 2, RUN_WITHIN, "the workers' reports", launcher.tail)
         workers = {r["pid"] for r in _reports(launcher).values()}
         wait_until(lambda: set(_warm_processes(launcher.out)) - workers, RUN_WITHIN, "the next warm generation",
                    launcher.tail)
-        os.kill(launcher.pid, signal.SIGKILL)
-        assert launcher.wait(30) == -signal.SIGKILL
+        sig = signal.SIGKILL if end == "kill -9" else signal.SIGTERM
+        os.kill(launcher.pid, sig)
+        assert launcher.wait(60) == (-sig if sig == signal.SIGKILL else 128 + sig), launcher.tail()
     else:
         assert launcher.wait(RUN_WITHIN) == 0, launcher.tail()
     wait_until(lambda: not _warm_processes(launcher.out), GONE_WITHIN, "no warm process left",
