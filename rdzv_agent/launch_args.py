@@ -363,10 +363,10 @@ def build_parser() -> argparse.ArgumentParser:
              "membership change skips the start-up; costs one idle interpreter per local rank (docs/warm-workers.md)"
              "; default off: code a script runs before 'import torch' then runs after it")
     opt("--no-warm-workers", pet=False, action="store_true",
-        help="no warm workers, whatever PET_WARM_WORKERS or --warm-imports say")
+        help="no warm workers, whatever PET_WARM_WORKERS says (with --warm-imports: an error)")
     opt("--warm-imports", type=_module_names, default=None, metavar="MOD,...",
-        help="modules the warm workers import besides torch (turns --warm-workers on); one that fails to import "
-             "is a WARNING and the workers start cold")
+        help="modules the warm workers import besides torch (turns --warm-workers on); one not found on the "
+             "workers' path is an error, one that fails to import a WARNING (the workers then start cold)")
     opt("--exit-barrier-timeout", type=_non_negative_seconds, default=DEFAULT_EXIT_BARRIER_TIMEOUT, metavar="S",
         help=f"seconds a node whose workers succeeded waits for the other nodes of its round to finish before it "
              f"ends and closes the run (default {DEFAULT_EXIT_BARRIER_TIMEOUT:g}, torch's; 0: do not wait)")
