@@ -11,7 +11,8 @@
              [--virtual-local-rank] [--numa-binding MODE] [--shutdown-timeout S] [--exit-barrier-timeout S]
              [--local-ranks-filter R,...] [--duplicate-stdout-filters S,...] [--duplicate-stderr-filters S,...]
              [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] [--hang-timeout S]
-             [--metrics-port PORT] [--keep-orphans] SCRIPT [ARGS...]
+             [--metrics-port PORT] [--keep-orphans] [--warm-workers | --no-warm-workers]
+             [--warm-imports MOD,...] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -89,6 +90,15 @@ def _nnodes(text: str) -> tuple[int, int]:
     if lo < 1 or hi < lo:
         raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
     return lo, hi
+
+
+def _module_names(text: str) -> list[str]:
+    """``a,b.c``: dotted module names (empty items ignored)."""
+    names = [item.strip() for item in text.split(",") if item.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise argparse.ArgumentTypeError(f"not a module name: {name!r}")
+    return names
 
 
 def _non_negative_int(text: str) -> int:
@@ -347,6 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--keep-orphans", action="store_true",
         help="let processes the workers start outlive the job (a daemon meant to stay): by default whatever the "
              "workers leave behind is stopped with each worker group and when the launcher ends, even by kill -9")
+    opt("--warm-workers", action="store_true",
+        help="keep the next generation of this node's workers started ahead (Python up, torch and --warm-imports "
+             "imported, the slot's LOCAL_RANK/CUDA_VISIBLE_DEVICES/OMP_NUM_THREADS set), so a restart or "
+             "membership change skips the start-up; costs one idle interpreter per local rank (docs/warm-workers.md)"
+             "; default off: code a script runs before 'import torch' then runs after it")
+    opt("--no-warm-workers", pet=False, action="store_true",
+        help="no warm workers, whatever PET_WARM_WORKERS says (with --warm-imports: an error)")
+    opt("--warm-imports", type=_module_names, default=None, metavar="MOD,...",
+        help="modules the warm workers import besides torch (turns --warm-workers on); one not found on the "
+             "workers' path is an error, one that fails to import a WARNING (the workers then start cold)")
     opt("--exit-barrier-timeout", type=_non_negative_seconds, default=DEFAULT_EXIT_BARRIER_TIMEOUT, metavar="S",
         help=f"seconds a node whose workers succeeded waits for the other nodes of its round to finish before it "
              f"ends and closes the run (default {DEFAULT_EXIT_BARRIER_TIMEOUT:g}, torch's; 0: do not wait)")
@@ -382,6 +402,7 @@ RDZV_OPTIONS = frozenset({
 })
 _FLAGS = frozenset({
     "--standalone", "--module", "-m", "--no-python", "--no_python", "--run-path", "--run_path", "-h", "--help",
+    "--warm-workers", "--warm_workers", "--no-warm-workers", "--no_warm_workers",
 })
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.machinery
 import os
 import shutil
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from rdzv_core.errors import ConfigError
 from rdzv_core.url import RendezvousURL
@@ -57,8 +58,10 @@ from .launch_target import (
 from .logs import PREFIX_TEMPLATE_ENV, load_logs_specs
 from .ops import OpsHooks, ops_from_env
 from .streams import Std
+from .warm import entry_path0
 from .worker_options import (
     DEFAULT_SIGNALS,
+    PYTHON_EXEC_ENV,
     HandledSignals,
     check_virtual_local_rank,
     numa_plan,
@@ -138,6 +141,9 @@ class LaunchConfig:
     #: ``--keep-orphans`` (``PET_KEEP_ORPHANS``): processes the workers leave behind are not stopped
     #: (:mod:`rdzv_agent.reaper`).
     keep_orphans: bool = False
+    #: ``--warm-workers``/``--warm-imports``: the modules warm workers import besides torch, ``None``: no warm
+    #: workers (:mod:`rdzv_agent.warm`).
+    warm_imports: list[str] | None = None
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -232,7 +238,39 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         metrics_port=_metrics_port(getattr(args, "metrics_port", None), environ),
         progress_interval=interval_from_env(environ),
         keep_orphans=bool(getattr(args, "keep_orphans", False)),
+        warm_imports=_warm_imports(args, program, program_args, environ),
     )
+
+
+def _warm_imports(args: argparse.Namespace, program: str, program_args: Sequence[str],
+                  environ: Mapping[str, str]) -> list[str] | None:
+    """What warm workers import besides torch, or ``None`` if they are off (the default).
+
+    A module the workers' Python (this one) cannot find, on the path the entry point will have, is an
+    error now rather than a warning per start (a typo). One that is found but fails to import is a
+    WARNING at the first start, which is then cold (:mod:`rdzv_agent.warm`).
+
+    Raises:
+        ConfigError: ``--warm-imports`` with ``--no-warm-workers``, or a module that cannot be found.
+    """
+    imports = getattr(args, "warm_imports", None)
+    if getattr(args, "no_warm_workers", False):
+        if imports:
+            raise ConfigError(as_given(args, "--warm-imports"), ",".join(imports),
+                              "needs warm workers, which --no-warm-workers turns off")
+        return None
+    if imports is None and not getattr(args, "warm_workers", False):
+        return None
+    path0 = entry_path0(program_args)
+    if path0 is not None and program == sys.executable and PYTHON_EXEC_ENV not in environ:
+        path = [path0, *sys.path[1:]]
+        for name in imports or []:
+            top = name.split(".")[0]
+            if top not in sys.modules and top not in sys.builtin_module_names \
+                    and importlib.machinery.PathFinder.find_spec(top, path) is None:
+                raise ConfigError(as_given(args, "--warm-imports"), name,
+                                  f"no module named {top!r} on the workers' path (sys.path[0] {path0!r})")
+    return list(imports or [])
 
 
 def _metrics_port(given: int | None, environ: Mapping[str, str]) -> int | None:

@@ -32,6 +32,9 @@ environment variables:
 ``RDZV_REAPER_TOKEN``          with a ``reaper``: marks what the worker starts (:mod:`rdzv_agent.reaper`)
 =============================  =====================================================
 
+With ``warm_imports`` (``rdzv-run --warm-workers``) each start of the workers uses the warm
+processes kept ready for it where they can start the worker exactly (:mod:`rdzv_agent.warm`).
+
 With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
 
 With a ``reaper`` (``rdzv-run``: :mod:`rdzv_agent.reaper`), every stop of the group
@@ -65,14 +68,15 @@ from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, Worker
 from .hang import DEFAULT_INTERVAL as PROGRESS_INTERVAL
 from .hang import HangWatch
 from .health import Heartbeat
-from .logs import LineFilter, line_prefix, make_logs_specs, worker_streams
+from .logs import LineFilter, WorkerStreams, line_prefix, make_logs_specs, worker_streams
 from .ops import OpsHooks
-from .process import WorkerProcess, stop_processes
+from .process import WorkerProcess, parent_death_hook, stop_processes
 from .reaper import NodeReaper
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .streams import Std
 from .stuck import TIMEOUT_ENV as STUCK_ENV
 from .stuck import UninterruptibleCheck
+from .warm import WarmPool, boot_argv
 from .watchdog import WorkerWatchdog
 from .telemetry import prof
 
@@ -113,6 +117,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         progress_interval: seconds between two writes of the workers' progress to the backend.
         reaper: this process is the subreaper of the workers' processes (:mod:`rdzv_agent.reaper`): every stop
             of the group also stops what the workers left behind; ``None``: only the workers' trees.
+        warm_imports: keep warm workers (:mod:`rdzv_agent.warm`: started ahead, ``torch`` and these modules
+            imported; start them from a thread that outlives them, as cold workers); ``None``: off.
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
@@ -142,6 +148,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         hang_timeout: float | None = None,
         progress_interval: float = PROGRESS_INTERVAL,
         reaper: NodeReaper | None = None,
+        warm_imports: Sequence[str] | None = None,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -168,6 +175,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._numa_cpus = dict(numa_cpus or {})
         self._hangs = HangWatch(spec.rdzv_handler, hang_timeout, progress_interval)
         self._reaper = reaper
+        self._warm = WarmPool(warm_imports, reaper) if warm_imports is not None else None
 
     @property
     def log_dir(self) -> str:
@@ -192,25 +200,15 @@ class LocalElasticAgent(SimpleElasticAgent):
             for lr, proc in sorted(self._procs.items())
         }
 
-    def _worker_env(self, group: WorkerGroup, local_rank: int) -> dict[str, str]:
-        spec = group.spec
-        worker = group.workers[local_rank]
+    def _slot_env(self, local_rank: int) -> dict[str, str]:
+        """The part of a worker's environment fixed per local slot, the same every round (a warm worker's)."""
+        spec = self._worker_group.spec
         env = dict(self._base_env)
         env.update(
-            RANK=str(worker.global_rank),
-            GROUP_RANK=str(group.group_rank),
-            ROLE_RANK=str(worker.role_rank),
             ROLE_NAME=spec.role,
             LOCAL_WORLD_SIZE=str(spec.local_world_size),
-            WORLD_SIZE=str(worker.world_size),
-            GROUP_WORLD_SIZE=str(group.group_world_size),
-            ROLE_WORLD_SIZE=str(worker.role_world_size),
-            MASTER_ADDR=str(group.master_addr),
-            MASTER_PORT=str(group.master_port),
-            TORCHELASTIC_RESTART_COUNT=str(self.restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(spec.max_restarts),
             TORCHELASTIC_RUN_ID=spec.rdzv_handler.get_run_id(),
-            TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
             PYTHONUNBUFFERED="1",
         )
         if self._reaper is not None:
@@ -220,6 +218,48 @@ class LocalElasticAgent(SimpleElasticAgent):
         if spec.local_world_size > 1 and "OMP_NUM_THREADS" not in self._base_env:
             env["OMP_NUM_THREADS"] = "1"
         return env
+
+    def _worker_env(self, group: WorkerGroup, local_rank: int) -> dict[str, str]:
+        worker = group.workers[local_rank]
+        env = self._slot_env(local_rank)
+        env.update(
+            RANK=str(worker.global_rank),
+            GROUP_RANK=str(group.group_rank),
+            ROLE_RANK=str(worker.role_rank),
+            WORLD_SIZE=str(worker.world_size),
+            GROUP_WORLD_SIZE=str(group.group_world_size),
+            ROLE_WORLD_SIZE=str(worker.role_world_size),
+            MASTER_ADDR=str(group.master_addr),
+            MASTER_PORT=str(group.master_port),
+            TORCHELASTIC_RESTART_COUNT=str(self.restart_count),
+            TORCHELASTIC_USE_AGENT_STORE=str(bool(group.use_agent_store)),
+        )
+        return env
+
+    def _spawn_warm(self) -> None:
+        """Start the next warm generation: a warm process for every local slot without one (:mod:`.warm`)."""
+        if self._warm is None or not self._warm.enabled:
+            return
+        spec = self._worker_group.spec
+        boot = boot_argv(str(spec.fn), [str(a) for a in spec.args], self._warm.imports)
+        if boot is None:
+            log.info("warm workers: %s is not a Python script or module: the workers start cold", spec.fn)
+            self._warm.enabled = False
+            return
+        self._warm.spawn({lr: (worker_options.numa_argv(boot, self._numa_cpus.get(lr)), self._slot_env(lr))
+                          for lr in range(spec.local_world_size)}, parent_death_hook())
+
+    def _start_worker(self, argv: Sequence[str], env: dict[str, str], streams: WorkerStreams,
+                      local_rank: int) -> WorkerProcess:
+        """Local rank's worker: its warm process if it has a usable one, else a cold start."""
+        warm = self._warm.take(local_rank, self._slot_env(local_rank)) if self._warm is not None else None
+        if warm is not None:
+            try:
+                return WorkerProcess(argv, env, streams, on_exit=self._exited, warm=warm)
+            except OSError as exc:
+                log.info("local rank %d starts cold: its warm process failed (%s)", local_rank, exc)
+                warm.discard()
+        return WorkerProcess(argv, env, streams, on_exit=self._exited)
 
     @prof
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -247,12 +287,13 @@ class LocalElasticAgent(SimpleElasticAgent):
             for worker in worker_group.workers:
                 lr = worker.local_rank
                 prefix = line_prefix(self._prefix_template, spec.role, self._global_ranks[lr], lr)
-                self._procs[lr] = WorkerProcess(worker_options.numa_argv(argv, self._numa_cpus.get(lr)), envs[lr],
-                                                worker_streams(dest, lr, prefix, filters), on_exit=self._exited)
+                self._procs[lr] = self._start_worker(worker_options.numa_argv(argv, self._numa_cpus.get(lr)),
+                                                     envs[lr], worker_streams(dest, lr, prefix, filters), lr)
         except OSError:
             self._stop_workers(worker_group)
             raise
         self._hangs.started({lr: (self._global_ranks[lr], proc.pid) for lr, proc in self._procs.items()}, envs)
+        self._spawn_warm()  # the next generation, once the workers run
         return {lr: proc.pid for lr, proc in self._procs.items()}
 
     def _open_line_filters(self, dest: LogsDest) -> tuple[LineFilter | None, LineFilter | None]:
@@ -282,11 +323,14 @@ class LocalElasticAgent(SimpleElasticAgent):
 
     def run(self, role: str = DEFAULT_ROLE) -> dict[int, Any]:
         try:
+            self._spawn_warm()  # they import while the rendezvous runs
             results = super().run(role)  # stops the workers when it raises
             if self._reaper is not None:  # succeeded: what the workers left behind ends with the node too
                 stop_processes(list(self._procs.values()), signal.SIGTERM, self._stop_grace, self._reaper)
             return results
         finally:  # the workers are done: remove the watchdog's pipe and the progress files
+            if self._warm is not None:
+                self._warm.close()
             self._watchdog.stop()
             self._hangs.close()
 

@@ -36,7 +36,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Mapping, Sequence
 
 import psutil
 
@@ -45,8 +45,9 @@ from .streams import StreamPump, error_excerpt, stderr_console, stdout_console
 
 if TYPE_CHECKING:
     from .logs import WorkerStreams
+    from .warm import WarmProcess
 
-__all__ = ["WorkerProcess", "stop_processes", "PARENT_DEATH_SIGNAL"]
+__all__ = ["WorkerProcess", "stop_processes", "parent_death_hook", "PARENT_DEATH_SIGNAL"]
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ PARENT_DEATH_SIGNAL = signal.SIGKILL
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def _parent_death_hook() -> Callable[[], None] | None:
+def parent_death_hook() -> Callable[[], None] | None:
     """A ``preexec_fn`` that makes the child die with the agent, or ``None`` off Linux.
 
     ``prctl`` is looked up here, before ``fork``, so the child only makes the
@@ -85,9 +86,10 @@ class WorkerProcess:
         streams: where stdout and stderr go, the console prefix and the error file
             (``TORCHELASTIC_ERROR_FILE``), from the logs spec (:func:`rdzv_agent.logs.worker_streams`).
         on_exit: called from a pump thread when the worker closes its stderr.
+        warm: a warm process (:mod:`rdzv_agent.warm`) to become the worker instead of starting ``argv``.
 
     Raises:
-        OSError: the program cannot be executed (e.g. not found).
+        OSError: the program cannot be executed (e.g. not found), or ``warm`` cannot take the round.
     """
 
     def __init__(
@@ -96,6 +98,7 @@ class WorkerProcess:
         env: Mapping[str, str],
         streams: WorkerStreams,
         on_exit: threading.Event | None = None,
+        warm: WarmProcess | None = None,
     ) -> None:
         for path in (streams.stdout, streams.stderr, streams.error_file):
             if path and path != os.devnull:
@@ -106,6 +109,29 @@ class WorkerProcess:
         env = dict(env)
         env["TORCHELASTIC_ERROR_FILE"] = "" if streams.error_file == os.devnull else streams.error_file
 
+        self.warm = warm is not None
+        if warm is not None:
+            stdout_pipe, stderr_pipe = self._activate(warm, env, streams)
+        else:
+            stdout_pipe, stderr_pipe = self._spawn(argv, env, streams)
+        self.pid = self.popen.pid
+        self.started_at = time.monotonic()
+        notify = on_exit.set if on_exit is not None else None
+        self._stderr = StreamPump(
+            stderr_pipe, streams.stderr, stderr_console if streams.stderr_console else None, streams.prefix,
+            notify, streams.stderr_filter,
+        )
+        self._stdout = None
+        if stdout_pipe is not None:
+            self._stdout = StreamPump(stdout_pipe, streams.stdout, stdout_console, streams.prefix,
+                                      None, streams.stdout_filter)
+        self._seen_exit: float | None = None
+        self._tree: list[psutil.Process] = []
+        self._agent_signals: set[int] = set()
+
+    def _spawn(self, argv: Sequence[str], env: Mapping[str, str],
+               streams: WorkerStreams) -> tuple[IO[bytes] | None, IO[bytes]]:
+        """Start the worker cold; return its stdout pipe (``None``: not piped) and stderr pipe."""
         stdout_target: int | None = None
         stdout_file = None
         if streams.stdout is not None and streams.stdout_console:
@@ -121,27 +147,45 @@ class WorkerProcess:
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 close_fds=True,
-                preexec_fn=_parent_death_hook(),
+                preexec_fn=parent_death_hook(),
             )
         finally:
             if stdout_file is not None:
                 stdout_file.close()
-        self.pid = self.popen.pid
-        self.started_at = time.monotonic()
-        notify = on_exit.set if on_exit is not None else None
         if self.popen.stderr is None:  # cannot happen with stderr=PIPE
             raise RuntimeError("worker started without a stderr pipe")
-        self._stderr = StreamPump(
-            self.popen.stderr, streams.stderr, stderr_console if streams.stderr_console else None, streams.prefix,
-            notify, streams.stderr_filter,
-        )
-        self._stdout = None
-        if stdout_target is subprocess.PIPE and self.popen.stdout is not None:
-            self._stdout = StreamPump(self.popen.stdout, streams.stdout, stdout_console, streams.prefix,
-                                      None, streams.stdout_filter)
-        self._seen_exit: float | None = None
-        self._tree: list[psutil.Process] = []
-        self._agent_signals: set[int] = set()
+        return (self.popen.stdout if stdout_target is subprocess.PIPE else None), self.popen.stderr
+
+    def _activate(self, warm: WarmProcess, env: Mapping[str, str],
+                  streams: WorkerStreams) -> tuple[IO[bytes] | None, IO[bytes]]:
+        """Make ``warm`` the worker, its stdout/stderr wired as :meth:`_spawn` wires a cold one's.
+
+        Raises:
+            OSError: the warm process cannot take the round (every fd opened here is closed again).
+        """
+        opened: list[int] = []
+        try:
+            err_read, err_write = os.pipe()
+            opened += [err_read, err_write]
+            out_read = None
+            if streams.stdout is not None and streams.stdout_console:
+                out_read, out_write = os.pipe()
+                opened += [out_read, out_write]
+            elif streams.stdout is not None:
+                out_write = os.open(streams.stdout, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+                opened.append(out_write)
+            else:  # not redirected: the launcher's own stdout, as a cold worker inherits it
+                out_write = 1
+            warm.activate(env, out_write, err_write)
+        except OSError:
+            for fd in opened:
+                os.close(fd)
+            raise
+        for fd in opened:
+            if fd not in (err_read, out_read):
+                os.close(fd)
+        self.popen = warm.popen
+        return (open(out_read, "rb") if out_read is not None else None), open(err_read, "rb")
 
     def poll(self) -> int | None:
         """The exit status (negative: killed by that signal), or ``None`` while running."""

@@ -144,6 +144,7 @@ class NodeReaper:
         self._watch = watch
         self._pipe = pipe
         self._reaped_at = 0.0
+        self._kept: set[int] = set()
 
     @classmethod
     def start(cls, grace: float) -> NodeReaper | None:
@@ -182,12 +183,20 @@ class NodeReaper:
         """The variables to add to each worker's environment."""
         return {TOKEN_ENV: self.token}
 
+    def keep(self, pids: Collection[int]) -> None:
+        """Children that are not left behind though no worker: the agent's warm processes (:mod:`.warm`)."""
+        self._kept.update(pids)
+
+    def release(self, pids: Collection[int]) -> None:
+        """Undo :meth:`keep` for ``pids``."""
+        self._kept.difference_update(pids)
+
     def _own(self) -> set[int]:
-        return {self._watch.pid} if self._watch is not None else set()
+        return self._kept | ({self._watch.pid} if self._watch is not None else set())
 
     def adopted(self, workers: Collection[int]) -> list[psutil.Process]:
-        """Processes the workers left behind: this process's children that are not in ``workers`` (pids) nor
-        the watch, and all their descendants."""
+        """Processes the workers left behind: this process's children that are not in ``workers`` (pids), the
+        watch nor kept (:meth:`keep`), and all their descendants."""
         skip = set(workers) | self._own()
         try:
             children = [p for p in psutil.Process().children() if p.pid not in skip]
