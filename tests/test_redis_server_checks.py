@@ -20,7 +20,9 @@ from rdzv_core import ConfigError, UnsuitableServerError, open_backend
 
 #: How long refusing a server may take at most (seconds): one PING and one INFO on loopback.
 FAST = 1.0
-LAUNCH_SLACK = 5.0  #: seconds two launcher starts may differ by on a loaded machine (< operation_timeout)
+LAUNCH_DEADLINE = 120.0  #: seconds a launcher (it imports torch) may take to exit on a loaded machine
+#: URL settings a refusing launcher must not wait out: both far beyond LAUNCH_DEADLINE.
+PATIENT = {"operation_timeout": "600", "timeout": "600"}
 EVICTING = ("volatile-lru", "allkeys-lru")
 
 
@@ -60,11 +62,10 @@ def _refused(url: str) -> tuple[UnsuitableServerError, float]:
     return info.value, time.monotonic() - started
 
 
-def _rdzv_run(url: str) -> tuple[subprocess.CompletedProcess[str], float]:
-    started = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "rdzv_agent", "--nproc-per-node", "1", "--rdzv", url, "/bin/true"],
-                         capture_output=True, text=True, timeout=120)
-    return out, time.monotonic() - started
+def _rdzv_run(url: str) -> subprocess.CompletedProcess[str]:
+    """rdzv-run with ``url``; it must exit within LAUNCH_DEADLINE s (``subprocess.TimeoutExpired`` fails the test)."""
+    return subprocess.run([sys.executable, "-m", "rdzv_agent", "--nproc-per-node", "1", "--rdzv", url, "/bin/true"],
+                          capture_output=True, text=True, timeout=LAUNCH_DEADLINE)
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
@@ -111,16 +112,12 @@ def test_evicting_tls_server_is_refused() -> None:
 
 
 def test_rdzv_run_exits_2_promptly_on_an_evicting_server(evicting: RedisServer) -> None:
-    """rdzv-run refuses it as bad usage, without waiting out the backend's operation_timeout (10 s) or a
-    rendezvous: its exit comes less than LAUNCH_SLACK after that of a usage error found before anything is
-    opened (the baseline, timed the same way: the launcher imports torch first; two launcher starts on a
-    loaded machine differ by seconds, the refusal itself takes less than FAST, tested above)."""
-    baseline, base_seconds = _rdzv_run(evicting.url("job", min_nodes="x"))
-    assert baseline.returncode == 2, baseline.stderr
-    out, seconds = _rdzv_run(evicting.url("job"))
+    """rdzv-run refuses it as bad usage, without waiting out the backend's operation_timeout or a rendezvous:
+    both are set far beyond the launcher's deadline (LAUNCH_DEADLINE), so an exit at all shows neither was
+    waited for (the refusal itself takes less than FAST, tested above)."""
+    out = _rdzv_run(evicting.url("job", **PATIENT))
     assert out.returncode == 2, out.stderr
     assert _policy(evicting) in out.stderr
-    assert seconds < base_seconds + LAUNCH_SLACK, (seconds, base_seconds)
 
 
 def test_rdzv_check_fails_on_an_evicting_server_and_warns_when_allowed(evicting: RedisServer) -> None:
@@ -153,11 +150,10 @@ def test_redis_cluster_is_refused_at_open(cluster: RedisCluster) -> None:
 
 
 def test_rdzv_run_and_rdzv_check_refuse_a_redis_cluster(cluster: RedisCluster) -> None:
-    baseline, base_seconds = _rdzv_run(cluster.url("job", min_nodes="x"))
-    assert baseline.returncode == 2, baseline.stderr
-    out, seconds = _rdzv_run(cluster.url("job"))
+    """rdzv-run exits 2 naming cluster mode, within LAUNCH_DEADLINE although its operation_timeout and rendezvous
+    timeout are longer (neither was waited out); ``rdzv check`` fails on the server check."""
+    out = _rdzv_run(cluster.url("job", **PATIENT))
     assert out.returncode == 2 and "cluster mode" in out.stderr, out.stderr
-    assert seconds < base_seconds + LAUNCH_SLACK, (seconds, base_seconds)
     check = _rdzv("check", cluster.url(), "--json")
     assert check.returncode == 1 and json.loads(check.stdout)["checks"] == {"server": False}
 
