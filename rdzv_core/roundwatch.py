@@ -33,7 +33,7 @@ from .errors import (
 from .kv import KVBackend
 from .outage import OutageLog, Responsiveness, judged_at
 from .rendezvous.record import RoundRecord, RunKeys, Status, missing_ranks
-from .rendezvous.state_io import delete_round_record
+from .rendezvous.state_io import delete_round_record, round_ended
 
 __all__ = ["WatchedRound", "destroy", "subscribe", "unsubscribe", "watched_rounds", "THREAD_PREFIX"]
 
@@ -199,6 +199,9 @@ class _RoundWatch:
         # for a TTL, and at the latest 3 TTL after a prompt look first showed the key missing (a loaded host
         # whose calls keep stalling must not put the judgement off for ever).
         judge_at = judged_at(self._answering_since(), self.missing_since, k.ttl)
+        if now < judge_at and round_ended(kv, k.keys, k.version, k.rid or None):
+            self.judged = True  # another node destroyed it already: nothing to judge, the members may re-join
+            return None
         if now < judge_at:
             if self.judge_at is None:
                 log.info("run=%s version=%d: keep-alive of rank(s) %s missing after the backend was away; "
