@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 THREAD_PREFIX = "rdzv-keepalive-roundwatch"
 #: Seconds one watch call waits at most before the thread checks whether it should stop.
 WATCH_SLICE = 5.0
+#: Seconds between two looks at the round while a missing key awaits judgement (has the round ended?).
+ROUND_END_POLL = 0.2
 
 
 #: A subscriber's evidence: ``time.monotonic()`` since which its client saw the backend answer without a break.
@@ -132,8 +134,10 @@ class _RoundWatch:
                     if revision is None:
                         self._ended()
                         return  # the round is gone (destroyed here, or already) or the run closed
-                wait = WATCH_SLICE if self.judge_at is None else max(0.0, min(WATCH_SLICE,
-                                                                               self.judge_at - time.monotonic()))
+                # While a missing key awaits judgement, look again every ROUND_END_POLL s: another node may
+                # have ended the round meanwhile (its record is not under the watched prefix).
+                wait = WATCH_SLICE if self.judge_at is None else max(0.0, min(
+                    ROUND_END_POLL, self.judge_at - time.monotonic()))
                 events = kv.watch(self.watched.alive_prefix, revision, wait)
                 outage.recovered("round watch of run %s version %d works again", self.watched.run_id,
                                  self.watched.version)
@@ -141,8 +145,8 @@ class _RoundWatch:
                 if events:
                     revision = max(revision, max(e.revision for e in events))
                     revision = None  # a key went away, was marked re-joining, or came back: look again
-                elif self.judge_at is not None and time.monotonic() >= self.judge_at:
-                    revision = None  # a rank was missing: judge it now
+                elif self.judge_at is not None:
+                    revision = None  # a rank was missing: judge it now, or see whether the round ended
             except HistoryCompactedError:
                 revision = None
             except BackendClosedError:

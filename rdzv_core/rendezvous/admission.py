@@ -14,9 +14,11 @@ join):
 
 * an incumbent, while its keep-alive key in the previous round is present, not finished, and not marked
   as having taken a ticket in this round: for ``keep_alive_ttl`` once it is marked re-joining (its process
-  saw the round end, or its agent called ``next_round``), for :func:`unmarked_grace` (``keep_alive_ttl / 3``,
-  at most :data:`UNMARKED_GRACE_MAX` s) while unmarked (a live member marks itself within that; a dead
-  member's key, alive until its TTL, is not waited for longer);
+  saw the round end, or its agent called ``next_round``); while unmarked, for ``keep_alive_ttl / 3`` by a
+  node deciding whether to take its ticket (a live member marks itself well within that; a dead member's
+  key, alive until its TTL, is not waited for longer), and for :func:`unmarked_grace` (at most
+  :data:`UNMARKED_GRACE_MAX` s) by the owner of a last call freezing at once (wrongly left out, a live member
+  costs a grow, not its place: the places it needs were left free);
 * a queued node, until it took a ticket in this round, for ``keep_alive_ttl``.
 
 The previous round is the last final round the node saw, or ``ROOT/admission/last`` (written when a round
@@ -197,9 +199,9 @@ class Admission:
                             exc)
         self.since, self.position, self._value = None, None, {}
 
-    def look(self, version: int, rid: str | None, since: float) -> tuple[Expected, int]:
-        """Who is expected in round ``(version, rid)``, counted from ``since`` (see the module), and the
-        keyspace revision to watch from.
+    def look(self, version: int, rid: str | None, since: float, unmarked: float) -> tuple[Expected, int]:
+        """Who is expected in round ``(version, rid)``, counted from ``since`` (see the module; an unmarked
+        incumbent for ``unmarked`` s), and the keyspace revision to watch from.
 
         Raises:
             BackendUnavailableError, BackendClosedError: from ``kv``.
@@ -218,7 +220,7 @@ class Admission:
                 member = member_record(entry)
                 if "finished" in member or "corrupt" in member or member.get(REJOINED) == segment:
                     continue
-                expires = since + (self.ttl if REJOINING in member else unmarked_grace(self.ttl))
+                expires = since + (self.ttl if REJOINING in member else unmarked)
                 if now < expires:
                     incumbents += 1
                     until = min(until, expires)

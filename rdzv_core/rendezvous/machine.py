@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..keepalive import KeepAlive
 from ..kv import Entry, KVBackend, wait_for_change
-from .admission import Admission, write_last_final
+from .admission import Admission, unmarked_grace, write_last_final
 from .membership import Membership
 from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
@@ -216,7 +216,7 @@ class RoundMachine(Membership):
         assert since is not None  # begin() set it
         until = min(since + self.params.keep_alive_ttl, deadline)
         while time.monotonic() < until:
-            expected, revision = admission.look(version, rid, since)
+            expected, revision = admission.look(version, rid, since, self.params.keep_alive_ttl / 3)
             if expected.room_for_me(self.params.limit):
                 break
             record = self._read_state()[1]
@@ -266,7 +266,8 @@ class RoundMachine(Membership):
             now = time.monotonic()
             prefix, after, wake = self.keys.state_dir, entry.revision, min(now + ttl / 3, end)
             if now >= end or fast:
-                expected = self._admission.look(version, rid, since) if awaits and now < until else None
+                expected = self._admission.look(version, rid, since, unmarked_grace(ttl)) \
+                    if awaits and now < until else None
                 if expected is None or not expected[0].awaited(p.limit):
                     joined = min(self._tickets(self.keys.joined(version, rid)), p.limit)
                     if now < end:
