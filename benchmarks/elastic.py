@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = _previous(next((os.path.join(docs, name) for name in ("elastic-phases.json", "elastic.json")
                                if os.path.exists(os.path.join(docs, name))), ""))
     servers = Servers(needs)
-    started = time.time()
+    started, load_start = time.time(), list(os.getloadavg())
     results: list[dict[str, Any]] = []
     try:
         for rep in range(reps):
@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_end": list(os.getloadavg())},
+                    "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
         "servers": versions,
         "config": {"targets": targets, "events": events, "settings": {s: SETTINGS[s] for s in settings},
                    "reps": reps, "limit_s": limit, "spare_hold_s": hold, "keep_alive_ttl_s": 5.0,
