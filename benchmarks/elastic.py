@@ -158,7 +158,7 @@ class Job:
         self.nodes: dict[str, Node] = {}
         self.c10d_port = _free_port()
 
-    def _rdzv_args(self) -> list[str]:
+    def _rdzv_args(self, name: str) -> list[str]:
         if self.launcher == "rdzv-run":
             base = self.servers.rdzv_url(self.backend, self.run_id)
             url = base.replace("?", self.run_id + "?", 1) if "?" in base else base + self.run_id
@@ -172,12 +172,15 @@ class Job:
             endpoint = self.servers.etcd.address
         else:  # c10d: node A's agent hosts the TCPStore on this port
             endpoint = f"127.0.0.1:{self.c10d_port}"
-        conf = [] if self.last_call is None else ["--rdzv-conf", f"last_call_timeout={self.last_call:g}"]
-        return ["--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id, *conf]
+        conf = [] if self.last_call is None else [f"last_call_timeout={self.last_call:g}"]
+        if self.backend == "c10d":  # node A hosts the store, as the endpoint's host would across hosts
+            conf.append(f"is_host={int(name == 'A')}")
+        conf_args = ["--rdzv-conf", ",".join(conf)] if conf else []
+        return ["--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id, *conf_args]
 
     def start(self, name: str, nnodes: str, gate: str | None = None) -> Node:
         argv = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-                *self._rdzv_args(), TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
+                *self._rdzv_args(name), TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
         module = "rdzv_agent.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
         node = self.nodes[name] = Node(argv, module, name, self.workdir, gate)
         return node
