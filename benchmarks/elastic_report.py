@@ -68,6 +68,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         cell["recovered"] = sum(1 for v in cell["values"] if not math.isinf(v))
         cell["values"] = [None if math.isinf(v) else v for v in cell["values"]]
         cell["phases"] = {p: _median([(r.get("phases") or {}).get(p) for r in runs]) for p in PHASES}
+        cell["worker_error_s"] = _median([(r.get("milestones") or {}).get("worker_error") for r in runs])
         cell["no_start"] = sum(1 for r in runs if r.get("status") == "no start")
     for cell in cells.values():
         base = cells.get((cell["setting"], cell["event"], "torchrun:c10d"))
@@ -94,9 +95,11 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
             if "x_c10d" in cell:
                 ratio = cell["x_c10d"]
                 value = float(ratio.lstrip(">")) if isinstance(ratio, str) else ratio
+                met: bool | None = value is not None and value >= FASTER_THAN_C10D
+                if not met and isinstance(ratio, str):
+                    met = None  # c10d did not recover: the ratio is a lower bound below the factor
                 verdicts.append({"what": f"defaults: {event} {target} >= {FASTER_THAN_C10D:g}x faster than "
-                                         "torchrun:c10d", "value": ratio,
-                                 "met": value is not None and value >= FASTER_THAN_C10D})
+                                         "torchrun:c10d", "value": ratio, "met": met})
         if setting == "lc1" and f"{target}|{event}" in previous:
             before = previous[f"{target}|{event}"]
             verdicts.append({"what": f"lc1: {event} {target} <= previous run ({before} s)", "value": cell["median_s"],
@@ -162,20 +165,24 @@ def markdown(record: dict[str, Any]) -> str:
         f"({prev.get('reps')} repetitions).",
         "",
         "Seconds from the event; phases are medians of each phase over the repetitions (so they need not add up "
-        "to the median recovery); `-`: the milestone was not reached or not logged.",
+        "to the median recovery); `-`: the milestone was not reached or not logged; (worker saw it): when a "
+        "survivor's worker saw its `all_reduce` fail (inside detection); x c10d: c10d's median / this one at the "
+        "same setting (`>`: c10d did not recover within the limit, a lower bound).",
         "",
-        "| setting | event | target | n | recovery | detection | teardown | rendezvous | worker start | imports "
-        "| init_pg | first step | x c10d | target / previous |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| setting | event | target | n | recovery | (worker saw it) | detection | teardown | rendezvous "
+        "| worker start | imports | init_pg | first step | x c10d | target / previous |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in summary["cells"]:
         ph = c["phases"]
         lines.append(f"| {c['setting']} | {c['event']} | {c['target']} | {len(c['values'])} | {_recovery(c, limit)} | "
+                     f"{_fmt_s(c.get('worker_error_s'))} | "
                      + " | ".join(_fmt_s(ph.get(p)) for p in PHASES)
                      + f" | {c.get('x_c10d', '')} | {_bound(c, previous)} |")
     lines += ["", "| target | value | verdict |", "|---|---|---|"]
     for v in summary["verdicts"]:
-        lines.append(f"| {v['what']} | {v['value']} | {'hit' if v['met'] else '**miss**'} |")
+        verdict = "hit" if v["met"] else "**miss**" if v["met"] is not None else "not shown (c10d: no recovery)"
+        lines.append(f"| {v['what']} | {v['value']} | {verdict} |")
     restarts = [c for c in summary["cells"] if c["event"] == "spare"]
     if restarts:
         lines += ["", "Spare: member restarts while the spare waited, per repetition: "
