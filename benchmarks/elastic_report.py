@@ -226,7 +226,7 @@ def plot(record: dict[str, Any], path: str) -> None:
         ax.set_yticks(range(len(cells)), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlim(0, clip + 4)
-        ax.set_xlabel(f"seconds from the event (median phases; bars past {clip:g} s cut)")
+        ax.set_xlabel(f"seconds from the event (median phases; bars past {clip + 4:g} s cut)")
         ax.set_title(f"setting: {setting}", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     handles, labels = axes[0][0].get_legend_handles_labels()
