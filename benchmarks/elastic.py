@@ -30,9 +30,10 @@ spare       ``--nnodes 2:2``, A and B train, C starts: restarts of A and B are c
 
 The victim is never node A, which hosts the TCPStore of torch's ``c10d`` baseline
 (``is_host=1``; the others ``is_host=0``: killing the host ends that job). Each
-repetition's launcher logs and worker records are kept under ``--logs``. Targets: ``rdzv-run`` over redis, etcd-v3 and file;
-``torchrun`` with the ``rdzv-redis`` handler; the baselines ``torchrun`` with torch's
-``c10d`` and ``etcd-v2`` handlers -- same servers, same job, in one run, repetitions
+repetition's launcher logs and worker records are kept under ``--logs``.
+Targets: ``rdzv-run`` over redis, etcd-v3 and file; ``torchrun`` with the
+``rdzv-redis`` handler; the baselines ``torchrun`` with torch's ``c10d`` and
+``etcd-v2`` handlers -- same servers, same job, in one run, repetitions
 interleaved (rep 1 of every event and target, then rep 2, ...). A target that does
 not recover within ``--limit`` seconds is recorded as such.
 """
