@@ -260,7 +260,7 @@ def merge(record: dict[str, Any], others: list[dict[str, Any]]) -> None:
         for name in ("targets", "events"):
             config[name] += [x for x in other["config"][name] if x not in config[name]]
         config["settings"] = {**config["settings"], **other["config"].get("settings", {})}
-        config["limit_s"] = max(config["limit_s"], other["config"]["limit_s"])
+        config.setdefault("merged_limits_s", []).append(other["config"]["limit_s"])  # limit_s: the first run's
     counts: dict[tuple[str, str, str], int] = {}
     for r in record["results"]:
         cell = (r.get("setting", "lc1"), r["event"], r["target"])
