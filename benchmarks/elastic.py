@@ -1,17 +1,22 @@
 """End-to-end elasticity benchmark: how fast a 3-node training job recovers from membership events.
 
-    python -m benchmarks.elastic                 # every target and event, 3 repetitions (about an hour)
-    python -m benchmarks.elastic --smoke         # rdzv-run over file, kill and spare, once (CI)
-    python -m benchmarks.elastic --write-docs    # also rewrite docs/elastic.json, docs/elastic.png and the
-                                                 # table in docs/benchmarks.md
+    python -m benchmarks.elastic                 # every target, event and setting, 3 repetitions
+    python -m benchmarks.elastic --smoke         # rdzv-run over file, kill and spare, once, lc1 (CI)
+    python -m benchmarks.elastic --quick         # every target and event at both settings, once, short holds
+    python -m benchmarks.elastic --write-docs    # also rewrite docs/elastic-phases.json, docs/elastic-phases.png
+                                                 # and the table in docs/benchmarks.md
 
 A job is 3 nodes on this host -- launchers as separate process trees (their own
 sessions), 1 worker each (``benchmarks/trainer.py``: a gloo ``all_reduce`` + 50 ms
 sleep per step, process-group timeout 60 s, each step recorded with its time and
 world size) -- with ``--max-restarts 3``, ``--monitor-interval 0.1`` (torchrun's
-default), ``last_call_timeout`` 1 s and every handler's default keep-alive. Events,
-each measured as the seconds from the event until a step completes at the new
-world size (:mod:`benchmarks.elastic_report` has the targets):
+default) and every handler's default keep-alive, at each *setting* (``--settings``):
+``defaults`` (no ``last_call_timeout`` given: torch's 30 s; the first round of a
+job that starts below ``max_nodes`` waits it out) and ``lc1``
+(``last_call_timeout=1``). Launchers log at INFO; each recovery is split into
+phases (:mod:`benchmarks.elastic_phases`). Events, each measured as the seconds
+from the event until a step completes at the new world size
+(:mod:`benchmarks.elastic_report` has the targets):
 
 ==========  ==========================================================================
 kill        SIGKILL of node C's whole process tree (``--nnodes 2:3``; until world size 2)
@@ -24,9 +29,11 @@ spare       ``--nnodes 2:2``, A and B train, C starts: restarts of A and B are c
 ==========  ==========================================================================
 
 The victim is never node A, which hosts the TCPStore of torch's ``c10d`` baseline
-(killing it ends that job). Targets: ``rdzv-run`` over redis, etcd-v3 and file;
-``torchrun`` with the ``rdzv-redis`` handler; the baselines ``torchrun`` with torch's
-``c10d`` and ``etcd-v2`` handlers -- same servers, same job, in one run, repetitions
+(``is_host=1``; the others ``is_host=0``: killing the host ends that job). Each
+repetition's launcher logs and worker records are kept under ``--logs``.
+Targets: ``rdzv-run`` over redis, etcd-v3 and file; ``torchrun`` with the
+``rdzv-redis`` handler; the baselines ``torchrun`` with torch's ``c10d`` and
+``etcd-v2`` handlers -- same servers, same job, in one run, repetitions
 interleaved (rep 1 of every event and target, then rep 2, ...). A target that does
 not recover within ``--limit`` seconds is recorded as such.
 """
@@ -37,6 +44,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +56,7 @@ from typing import Any
 
 import psutil
 
+from . import elastic_phases
 from .servers import Servers
 from .trainer import read_records
 
@@ -67,8 +76,13 @@ TARGETS: dict[str, tuple[str, str]] = {
     "torchrun:etcd-v2": ("torchrun", "etcd-v2"),
 }
 EVENTS = ("kill", "freeze", "leave", "grow", "spare")
-LAST_CALL = 1.0  #: ``last_call_timeout`` of every target (seconds)
-START_LIMIT = 120.0  #: seconds for a job to be training before the event
+#: setting -> ``last_call_timeout`` given to every target (seconds; ``None``: not given, the handler's default).
+SETTINGS: dict[str, float | None] = {"defaults": None, "lc1": 1.0}
+START_LIMIT = 120.0  #: seconds for a job to be training before the event (a first round may wait 30 s)
+#: event -> (nodes training before it that may detect it, nodes of the new round, its world size).
+ROUNDS = {"kill": (["A", "B"], ["A", "B"], 2), "freeze": (["A", "B"], ["A", "B"], 2),
+          "leave": (["A", "B"], ["A", "B"], 2), "grow": (["A", "B"], ["A", "B", "C"], 3),
+          "spare": (["A"], ["A", "C"], 2)}
 
 
 def _free_port() -> int:
@@ -91,7 +105,7 @@ class Node:
                     f"sys.argv = [{module!r}, *sys.argv[1:]]\n"
                     f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)\n")
             cmd = [sys.executable, "-c", code, *argv]
-        env = {**os.environ, "TRAINER_NODE": name, "PYTHONUNBUFFERED": "1", "TMPDIR": workdir}
+        env = {**os.environ, "TRAINER_NODE": name, "PYTHONUNBUFFERED": "1", "TMPDIR": workdir, "LOGLEVEL": "INFO"}
         env.pop("RDZV_URL", None)
         self.log = open(os.path.join(workdir, f"{name}.log"), "wb")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -135,8 +149,9 @@ class Node:
 class Job:
     """The 3 nodes of one repetition of one event on one target."""
 
-    def __init__(self, target: str, servers: Servers, workdir: str) -> None:
+    def __init__(self, target: str, servers: Servers, workdir: str, last_call: float | None) -> None:
         self.launcher, self.backend = TARGETS[target]
+        self.last_call = last_call
         self.servers = servers
         self.workdir = workdir
         self.out = os.path.join(workdir, "out")
@@ -145,24 +160,29 @@ class Job:
         self.nodes: dict[str, Node] = {}
         self.c10d_port = _free_port()
 
-    def _rdzv_args(self) -> list[str]:
+    def _rdzv_args(self, name: str) -> list[str]:
         if self.launcher == "rdzv-run":
             base = self.servers.rdzv_url(self.backend, self.run_id)
             url = base.replace("?", self.run_id + "?", 1) if "?" in base else base + self.run_id
+            if self.last_call is None:
+                return ["--rdzv", url]
             sep = "&" if "?" in url else "?"
-            return ["--rdzv", f"{url}{sep}last_call_timeout={LAST_CALL:g}"]
+            return ["--rdzv", f"{url}{sep}last_call_timeout={self.last_call:g}"]
         if self.backend == "rdzv-redis":
             endpoint = self.servers.redis.address
         elif self.backend == "etcd-v2":
             endpoint = self.servers.etcd.address
         else:  # c10d: node A's agent hosts the TCPStore on this port
             endpoint = f"127.0.0.1:{self.c10d_port}"
-        return ["--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id,
-                "--rdzv-conf", f"last_call_timeout={LAST_CALL:g}"]
+        conf = [] if self.last_call is None else [f"last_call_timeout={self.last_call:g}"]
+        if self.backend == "c10d":  # node A hosts the store, as the endpoint's host would across hosts
+            conf.append(f"is_host={int(name == 'A')}")
+        conf_args = ["--rdzv-conf", ",".join(conf)] if conf else []
+        return ["--rdzv-backend", self.backend, "--rdzv-endpoint", endpoint, "--rdzv-id", self.run_id, *conf_args]
 
     def start(self, name: str, nnodes: str, gate: str | None = None) -> Node:
         argv = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-                *self._rdzv_args(), TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
+                *self._rdzv_args(name), TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
         module = "rdzv_agent.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
         node = self.nodes[name] = Node(argv, module, name, self.workdir, gate)
         return node
@@ -188,11 +208,16 @@ class Job:
             node.kill()
 
 
-def run_event(target: str, event: str, servers: Servers, limit: float, spare_hold: float) -> dict[str, Any]:
-    """One repetition: start the job, cause ``event``, measure; the job is torn down in every case."""
+def run_event(target: str, event: str, servers: Servers, limit: float, spare_hold: float,
+              setting: str = "lc1", keep: str | None = None) -> dict[str, Any]:
+    """One repetition: start the job, cause ``event``, measure and split into phases; the job is torn down and
+    its directory removed in every case (its logs and records copied to ``keep`` first, if given)."""
     workdir = tempfile.mkdtemp(prefix=f"rdzv-elastic-{event}-")
-    job = Job(target, servers, workdir)
-    result: dict[str, Any] = {"target": target, "event": event, "recovery_s": None, "status": "ok"}
+    job = Job(target, servers, workdir, SETTINGS[setting])
+    result: dict[str, Any] = {"target": target, "event": event, "setting": setting, "recovery_s": None,
+                              "status": "ok"}
+    t0: float | None = None
+    recovered: float | None = None
     try:
         if event == "grow":
             gate = os.path.join(workdir, "gate")
@@ -237,6 +262,23 @@ def run_event(target: str, event: str, servers: Servers, limit: float, spare_hol
         return result
     finally:
         job.stop()
+        if t0 is not None:
+            survivors, new_round, world = ROUNDS[event]
+            result["t0"] = t0
+            result.update(elastic_phases.phases(workdir, job.out, t0, survivors, new_round, world, recovered))
+        if keep is not None:
+            _keep(workdir, job.out, keep)
+            result["logs"] = keep
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _keep(workdir: str, out: str, dest: str) -> None:
+    """Copy the launchers' logs and the trainer's records of one repetition to ``dest``."""
+    os.makedirs(dest, exist_ok=True)
+    for folder in (workdir, out):
+        for name in os.listdir(folder):
+            if name.endswith((".log", ".jsonl")):
+                shutil.copy(os.path.join(folder, name), dest)
 
 
 def _wait_first(job: Job, names: list[str], world: int, t0: float, limit: float) -> float | None:
@@ -256,39 +298,56 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="repetitions per target and event (default 3)")
     p.add_argument("--limit", type=float, default=90.0, help="seconds to wait for a recovery (default 90)")
     p.add_argument("--spare-hold", type=float, default=60.0, help="seconds the spare waits (default 60)")
-    p.add_argument("--smoke", action="store_true", help="rdzv-run:file, kill and spare (hold 5 s), once")
+    p.add_argument("--settings", default=",".join(SETTINGS),
+                   help="comma-separated settings: defaults (torch's 30 s last call), lc1 (last_call_timeout=1)")
+    p.add_argument("--smoke", action="store_true", help="rdzv-run:file, kill and spare (hold 5 s), once, lc1")
+    p.add_argument("--quick", action="store_true",
+                   help="the chosen targets, events and settings once, spare hold 5 s, limit 45 s")
     p.add_argument("--out", default=None, help="JSON file to write (default: a new temporary file)")
+    p.add_argument("--logs", default=None,
+                   help="keep every repetition's launcher logs and trainer records under this directory "
+                        "(default: a 'logs' directory beside the JSON file)")
     p.add_argument("--write-docs", action="store_true",
-                   help="write docs/elastic.json, docs/elastic.png and the table in docs/benchmarks.md")
+                   help="write docs/elastic-phases.{json,png} and the table in docs/benchmarks.md")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; exit status 1 if a job did not even start (the numbers would mean nothing)."""
     args = _parser().parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    events = [e for e in args.events.split(",") if e]
+    settings = [s for s in args.settings.split(",") if s]
+    reps, hold, limit = args.reps, args.spare_hold, args.limit
     if args.smoke:
-        targets, events, reps, hold, limit = ["rdzv-run:file"], ["kill", "spare"], 1, 5.0, 60.0
-    else:
-        targets = [t for t in args.targets.split(",") if t]
-        events = [e for e in args.events.split(",") if e]
-        reps, hold, limit = args.reps, args.spare_hold, args.limit
-    for name, known, valid in (("--targets", targets, TARGETS), ("--events", events, EVENTS)):
+        targets, events, settings, reps, hold, limit = ["rdzv-run:file"], ["kill", "spare"], ["lc1"], 1, 5.0, 60.0
+    elif args.quick:
+        reps, hold, limit = 1, 5.0, 45.0
+    for name, known, valid in (("--targets", targets, TARGETS), ("--events", events, EVENTS),
+                               ("--settings", settings, SETTINGS)):
         bad = [x for x in known if x not in valid]
         if bad or not known:
             _parser().error(f"{name}: unknown {bad or known!r}; valid: {', '.join(valid)}")
     needs = sorted({"redis" if "redis" in b else "etcd-v2" if "etcd" in b else "file"
                     for b in (TARGETS[t][1] for t in targets)})
+    out = args.out or os.path.join(tempfile.mkdtemp(prefix="rdzv-elastic-"), "elastic.json")
+    logs = args.logs or os.path.join(os.path.dirname(os.path.abspath(out)), "logs")
+    docs = os.path.join(ROOT, "docs")
+    previous = _previous(next((os.path.join(docs, name) for name in ("elastic-phases.json", "elastic.json")
+                               if os.path.exists(os.path.join(docs, name))), ""))
     servers = Servers(needs)
-    started = time.time()
+    started, load_start = time.time(), list(os.getloadavg())
     results: list[dict[str, Any]] = []
     try:
         for rep in range(reps):
             for event in events:
-                for target in targets:
-                    one = run_event(target, event, servers, limit, hold)
-                    one["rep"] = rep
-                    results.append(one)
-                    print(json.dumps(one), flush=True)
+                for setting in settings:
+                    for target in targets:
+                        keep = os.path.join(logs, f"{setting}-{event}-{target.replace(':', '-')}-{rep}")
+                        one = run_event(target, event, servers, limit, hold, setting, keep)
+                        one["rep"] = rep
+                        results.append(one)
+                        print(json.dumps(one), flush=True)
     finally:
         versions = servers.versions()
         servers.stop()
@@ -297,17 +356,18 @@ def main(argv: list[str] | None = None) -> int:
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
         "seconds": round(time.time() - started, 1),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_end": list(os.getloadavg())},
+                    "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
         "servers": versions,
-        "config": {"targets": targets, "events": events, "reps": reps, "limit_s": limit, "spare_hold_s": hold,
-                   "last_call_timeout_s": LAST_CALL, "keep_alive_ttl_s": 5.0},
+        "config": {"targets": targets, "events": events, "settings": {s: SETTINGS[s] for s in settings},
+                   "reps": reps, "limit_s": limit, "spare_hold_s": hold, "keep_alive_ttl_s": 5.0,
+                   "last_call_timeout_default_s": 30.0},
         "code": _commit(),
+        "previous": previous,
         "results": results,
     }
     from . import elastic_report
 
     record["summary"] = elastic_report.summarize(record)
-    out = args.out or os.path.join(tempfile.mkdtemp(prefix="rdzv-elastic-"), "elastic.json")
     with open(out, "w") as f:
         json.dump(record, f, indent=1)
     print(elastic_report.markdown(record))
@@ -315,6 +375,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         elastic_report.write_docs(record, os.path.join(ROOT, "docs"))
     return 1 if any(r["status"] == "no start" for r in results) else 0
+
+
+def _previous(path: str) -> dict[str, Any] | None:
+    """The medians at ``last_call_timeout=1`` of the run recorded in ``path`` (an older record: all its cells)."""
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return None
+    medians = {f"{c['target']}|{c['event']}": c["median_s"] for c in old.get("summary", {}).get("cells", [])
+               if c.get("setting", "lc1") == "lc1"}
+    return {"command": old.get("command"), "started": old.get("started"), "reps": old.get("config", {}).get("reps"),
+            "medians_s": medians}
 
 
 def _commit() -> dict[str, Any]:

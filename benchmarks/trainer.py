@@ -11,9 +11,11 @@ each launcher: the launchers pass their environment to their workers)::
     {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "master", "step", "t"}
 
 ``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``;
-``spawned`` is ``time.time()`` when the worker process began, before it imported torch.
+``spawned`` is ``time.time()`` when the worker process began, before it imported torch; ``imported`` once
+``import torch`` returned; ``pg_done`` once ``init_process_group`` returned.
 Before the first step it writes one ``start`` line with the same fields and ``"sum"`` (the first
-``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct).
+``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct); an ``error`` line
+when a step's ``all_reduce`` raises (then it exits with the error).
 It stops when asked, by files in ``OUT``:
 
 ``stop-all`` or ``stop-<NODE>``   finish the current step, destroy the group, exit 0 (with
@@ -29,6 +31,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 
 def read_records(out: str, node: str, kind: str = "step") -> list[dict[str, object]]:
@@ -63,15 +66,18 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
+    imported = time.time()
+
     node = os.environ.get("TRAINER_NODE", "node")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     path = os.path.join(args.out, f"steps-{node}.jsonl")
-    base = {
+    base: dict[str, Any] = {
         "node": node, "pid": os.getpid(), "rank": int(os.environ["RANK"]),
         "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"]),
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")), "restart": restart,
         "role_rank": int(os.environ.get("ROLE_RANK", "-1")), "role_world": int(os.environ.get("ROLE_WORLD_SIZE", "-1")),
         "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", "spawned": spawned,
+        "imported": imported,
     }
 
     def record(**fields: object) -> None:
@@ -79,6 +85,7 @@ def main() -> int:
             f.write(json.dumps({**base, **fields, "t": time.time()}) + "\n")
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
+    base["pg_done"] = time.time()
     total = torch.tensor([base["rank"] + 1])
     dist.all_reduce(total)
     record(kind="start", sum=int(total.item()))
@@ -89,7 +96,11 @@ def main() -> int:
         stop = any(os.path.exists(os.path.join(args.out, name)) for name in ("stop-all", f"stop-{node}"))
         if args.collective:  # [1, stop]: every rank counted, and all stop at the same step
             both = torch.tensor([1, int(stop)])
-            dist.all_reduce(both)
+            try:
+                dist.all_reduce(both)
+            except RuntimeError as exc:  # a peer is gone: when this worker learnt it
+                record(kind="error", step=step, error=str(exc)[:200])
+                raise
             if int(both[0].item()) != base["world"]:
                 print(f"all_reduce gave {int(both[0].item())}, WORLD_SIZE={base['world']}", file=sys.stderr,
                       flush=True)
