@@ -24,9 +24,10 @@ pytestmark = pytest.mark.agent_scenario
 ORPHAN_WORKER = os.path.join(HERE, "orphan_worker.py")
 #: Seconds the helpers may outlive their launcher (the watchdog's or the launcher's kill, then the kernel's reaping).
 GONE_WITHIN = 2.0
-#: Seconds within which a launcher whose workers fail three times must exit (it took 25 s while a helper
-#: held its pipes: 7 s per attempt waiting for the pipes to close). Launcher start-up (torch) included.
-EXIT_WITHIN = 15.0
+#: Seconds per attempt, from its first worker's start, within which a launcher whose workers fail must exit
+#: (a helper that held its pipes made each attempt wait about 7 s for them to close). Launcher start-up
+#: (torch) excluded: on a loaded host it alone takes longer than that.
+EXIT_PER_ATTEMPT = 3.0
 #: The helper's command line, to recognize it before killing a recorded pid at teardown.
 HELPER_MARK = "time.sleep(600)"
 
@@ -38,6 +39,11 @@ def helper_pids(out):
         with open(path) as f:
             found[os.path.basename(path)[len("helper-"):-len(".pid")]] = int(f.read())
     return found
+
+
+def since_first_attempt(out):
+    """Seconds from the first attempt's helper record (written once its worker runs) until now (wall clock)."""
+    return time.time() - os.path.getmtime(os.path.join(out, "helper-0-0.pid"))
 
 
 def alive(pids):
@@ -74,14 +80,13 @@ def assert_gone(pids, launcher):
 
 
 def test_helpers_of_failed_attempts_end_with_the_launcher_and_do_not_delay_it(node):
-    started = time.monotonic()
     launcher = node(["--standalone", "--nproc-per-node", "1", "--max-restarts", "2", "--monitor-interval", "0.1",
                      ORPHAN_WORKER, "--out", node.out])
     assert launcher.wait(60) == 1, launcher.tail()
-    took = time.monotonic() - started
+    took = since_first_attempt(node.out)
     pids = helper_pids(node.out)
     assert sorted(pids) == ["0-0", "0-1", "0-2"], launcher.tail()  # the first start and two restarts
-    assert took < EXIT_WITHIN, f"the launcher took {took:.1f} s\n{launcher.tail()}"
+    assert took < 3 * EXIT_PER_ATTEMPT, f"the launcher took {took:.1f} s\n{launcher.tail()}"
     assert_gone(pids.values(), launcher)
 
 
@@ -107,11 +112,10 @@ def test_kill_9_of_the_launcher_ends_the_helpers(node, tmp_path):
 
 
 def test_keep_orphans_leaves_the_helpers_running(node):
-    started = time.monotonic()
     launcher = node(["--standalone", "--nproc-per-node", "1", "--keep-orphans", "--monitor-interval", "0.1",
                      ORPHAN_WORKER, "--out", node.out])
     assert launcher.wait(60) == 1, launcher.tail()
-    took = time.monotonic() - started
+    took = since_first_attempt(node.out)
     pids = list(helper_pids(node.out).values())
     assert len(pids) == 1 and alive(pids) == pids, launcher.tail()  # the teardown kills it by pid
-    assert took < EXIT_WITHIN, f"the launcher took {took:.1f} s\n{launcher.tail()}"
+    assert took < EXIT_PER_ATTEMPT, f"the launcher took {took:.1f} s\n{launcher.tail()}"
