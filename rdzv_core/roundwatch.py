@@ -50,7 +50,7 @@ ROUND_END_POLL = 0.2
 
 #: A subscriber's evidence: ``time.monotonic()`` since which its client saw the backend answer without a break.
 Since = Callable[[], float]
-#: A subscriber's callback when the watch ends after judging a missing key (the round is most likely over).
+#: A subscriber's callback when the watch ends after judging a missing key and the round is over.
 OnEnd = Callable[["WatchedRound"], object]
 
 
@@ -143,7 +143,6 @@ class _RoundWatch:
                                  self.watched.version)
                 delay = 0.05
                 if events:
-                    revision = max(revision, max(e.revision for e in events))
                     revision = None  # a key went away, was marked re-joining, or came back: look again
                 elif self.judge_at is not None:
                     revision = None  # a rank was missing: judge it now, or see whether the round ended
@@ -167,9 +166,18 @@ class _RoundWatch:
                 self.stopped.wait(1.0)
 
     def _ended(self) -> None:
-        """Tell the subscribers that the watch ended after judging a missing key (``on_end``); what a
-        callback raises is logged."""
-        if not self.judged or self.stopped.is_set():
+        """The watch ended after judging a missing key: if the round is over and the run goes on
+        (:func:`~.rendezvous.state_io.round_ended`, one look for every subscriber), tell the subscribers
+        (``on_end``); a backend error is logged and tells nobody, what a callback raises is logged."""
+        kv = self._client()
+        if not self.judged or self.stopped.is_set() or kv is None:
+            return
+        try:
+            if not round_ended(kv, self.watched.keys, self.watched.version, self.watched.rid or None):
+                return
+        except RdzvError as exc:  # unreachable, closed, or a corrupt record: the agents re-join without the mark
+            log.warning("round watch of run %s version %d: could not tell whether the round ended: %s",
+                        self.watched.run_id, self.watched.version, exc)
             return
         with self.lock:
             callbacks = [on_end for _, _, on_end in self.subscribers.values() if on_end is not None]
@@ -251,7 +259,7 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
     (``time.monotonic()`` since which its client saw the backend answer without a break, e.g. its
     keep-alive's :attr:`~rdzv_core.keepalive.KeepAlive.responsiveness`); without it, a missing key
     is acted on at once. ``on_end(watched)``: called on the watch's thread when the watch ends after
-    judging a missing key (the round destroyed here or by another node, or the run closed)."""
+    judging a missing key and the round is over while the run goes on (destroyed here or by another node)."""
     with _lock:
         watch = _watches.get(watched.ident)
         if watch is None:

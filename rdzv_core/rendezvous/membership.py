@@ -20,7 +20,7 @@ from ..outage import Responsiveness
 from .params import RendezvousParams, RoundResult
 from .record import REJOINED, REJOINING, encode_json, round_segment
 from .runconfig import record_run_config
-from .state_io import RoundIO, restore_round, round_ended
+from .state_io import RoundIO, restore_round
 
 __all__ = ["Membership"]
 
@@ -53,16 +53,15 @@ class Membership(RoundIO):
         return evidence.since if evidence is not None else time.monotonic()
 
     def _round_ended(self, watched: roundwatch.WatchedRound) -> None:
-        """The lapse watch of ``watched`` ended: if that round is over (the others re-form), mark this member's
-        key re-joining at once, before its agent notices, so the next round keeps it a place
+        """Round ``watched`` is over (the others re-form; its lapse watch says so): mark this member's key
+        re-joining at once, before its agent notices, so the next round keeps it a place
         (``docs/design.md``, "Admission order"). On the watch's thread; backend errors are logged."""
         key = self._alive_key
         if self._watched != watched or key is None or REJOINING in self._alive_info:
             return
         try:
-            if round_ended(self.kv, self.keys, watched.version, watched.rid or None):
-                self._alive_info = self._mark_key(key, self._alive_info, {REJOINING: round(time.time(), 3)})
-        except (BackendUnavailableError, BackendClosedError, RendezvousStateError) as exc:
+            self._alive_info = self._mark_key(key, self._alive_info, {REJOINING: round(time.time(), 3)})
+        except (BackendUnavailableError, BackendClosedError) as exc:
             self._log(logging.WARNING, "could not mark this member re-joining: %s", exc, version=watched.version)
 
     def _mark_key(self, key: str, info: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
