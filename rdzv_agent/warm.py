@@ -186,7 +186,8 @@ class WarmProcess:
         data = len(payload).to_bytes(_HEADER, "big") + payload
         sent = self._sock.sendmsg([data[:1 << 16]],
                                   [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [stdout_fd, stderr_fd]))])
-        self._sock.sendall(data[sent:])
+        if sent < len(data):  # not sendall(b""): it still sends, and fails once the worker took the message
+            self._sock.sendall(data[sent:])
         self._sock.close()
 
     def discard(self) -> None:

@@ -381,6 +381,26 @@ def test_attempts_get_a_third_of_the_deadline_doubling_after_a_timeout() -> None
     assert Deadline(1.2).attempt() == pytest.approx(0.5, abs=0.01), "at least MIN_ATTEMPT (0.5 s)"
 
 
+@pytest.mark.parametrize(("code", "details", "failure"), [
+    ("UNAVAILABLE", "failed to connect to all addresses", "NOT_SENT"),
+    ("UNAVAILABLE", "Socket closed", "LOST"),
+    ("DEADLINE_EXCEEDED", "Deadline Exceeded", "TIMED_OUT"),
+    ("INTERNAL", "Internal error from Core", "LOST"),  # grpc.aio, a stream whose connection broke
+    ("INTERNAL", "etcdserver: corrupt cluster", None),  # etcd's own answer
+    ("INVALID_ARGUMENT", "etcdserver: key is not provided", None),
+])
+def test_v3_transport_failures_are_told_from_etcd_answers(code: str, details: str, failure: str | None) -> None:
+    """A status gRPC made up on the client is a transport failure (retried, then ``BackendUnavailable``);
+    a status etcd sent is its answer (``ServerError``)."""
+    pytest.importorskip("grpc")
+    import grpc
+
+    from rdzv_backends.etcd_v3.transport import _failure
+
+    found = _failure(getattr(grpc.StatusCode, code), details)
+    assert (found.name if found is not None else None) == failure
+
+
 # -- TTLs and leases ---------------------------------------------------------------------
 def test_ttl_seconds_rounds_up_to_whole_seconds() -> None:
     assert [ttl_seconds(t) for t in (0.001, 0.5, 1.0, 1.01, 2.0, 29.5)] == [1, 1, 1, 2, 2, 30]

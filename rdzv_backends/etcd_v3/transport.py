@@ -56,6 +56,9 @@ _MIN_TRY = 0.05
 #: Details of ``UNAVAILABLE`` errors that mean the request reached no server.
 _NOT_SENT_DETAILS = ("failed to connect", "connection refused", "no leader", "dns resolution failed",
                      "name resolution")
+#: Details grpc.aio gives an RPC whose operation failed in the client's gRPC core (a connection that
+#: broke under a stream, for one); no server answered it.
+_CLIENT_CORE_ERROR = "internal error from core"
 
 
 def _failure(code: Any, details: str) -> Failure | None:
@@ -65,6 +68,8 @@ def _failure(code: Any, details: str) -> Failure | None:
         return Failure.TIMED_OUT
     if name == "UNAVAILABLE":
         return Failure.NOT_SENT if any(s in low for s in _NOT_SENT_DETAILS) else Failure.LOST
+    if name == "INTERNAL" and low == _CLIENT_CORE_ERROR:  # grpc.aio: a batch failed in the client's core
+        return Failure.LOST
     if name == "RESOURCE_EXHAUSTED" and "too many requests" in details:
         return Failure.OVERLOADED
     return None
