@@ -1,4 +1,4 @@
-"""Side-by-side benchmark of rdzv's backends against PyTorch's own rendezvous (issue 6).
+"""Side-by-side benchmark of rdzv's backends against PyTorch's own rendezvous.
 
 Not part of the library or of the test suite (``tests/test_benchmark_smoke.py``
 only runs the smoke mode). Run from the project root::

@@ -74,7 +74,12 @@ TARGETS: dict[str, tuple[str, str]] = {
     "torchrun:rdzv-redis": ("torchrun", "rdzv-redis"),
     "torchrun:c10d": ("torchrun", "c10d"),
     "torchrun:etcd-v2": ("torchrun", "etcd-v2"),
+    "rdzv-run+warm:redis": ("rdzv-run", "redis"),
+    "rdzv-run+warm:etcd-v3": ("rdzv-run", "etcd-v3"),
+    "rdzv-run+warm:file": ("rdzv-run", "file"),
 }
+#: Targets whose launchers run with ``--warm-workers`` (:mod:`rdzv_agent.warm`).
+WARM_TARGETS = frozenset(t for t in TARGETS if t.startswith("rdzv-run+warm:"))
 EVENTS = ("kill", "freeze", "leave", "grow", "spare")
 #: setting -> ``last_call_timeout`` given to every target (seconds; ``None``: not given, the handler's default).
 SETTINGS: dict[str, float | None] = {"defaults": None, "lc1": 1.0}
@@ -151,6 +156,7 @@ class Job:
 
     def __init__(self, target: str, servers: Servers, workdir: str, last_call: float | None) -> None:
         self.launcher, self.backend = TARGETS[target]
+        self.warm = target in WARM_TARGETS
         self.last_call = last_call
         self.servers = servers
         self.workdir = workdir
@@ -182,7 +188,8 @@ class Job:
 
     def start(self, name: str, nnodes: str, gate: str | None = None) -> Node:
         argv = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-                *self._rdzv_args(name), TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
+                *(["--warm-workers"] if self.warm else []), *self._rdzv_args(name),
+                TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
         module = "rdzv_agent.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
         node = self.nodes[name] = Node(argv, module, name, self.workdir, gate)
         return node

@@ -8,7 +8,7 @@ Two families, each test's docstring stating what is expected:
   The server is shared by the whole session, so every test leaves it running
   (restarted and resumed in a ``finally`` and again by the ``server`` fixture).
   Clients are opened with ``operation_timeout`` = :data:`OP_TIMEOUT`.
-* **Bad input** (issue 7) needs no controller: corrupt round records and
+* **Bad input** needs no controller: corrupt round records and
   counters written straight into the backend, and values above the backend's
   ``max_value_bytes`` given to the c10d Store and to ``store_extra_data``.
   (``test_rendezvous.py::test_corrupt_round_record_is_a_state_error`` has the

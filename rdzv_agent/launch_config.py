@@ -113,25 +113,25 @@ class LaunchConfig:
     start_method: str = "spawn"
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     exit_barrier_timeout: float = DEFAULT_EXIT_BARRIER_TIMEOUT
-    # issue 16: log specs
+    # log specs
     local_ranks_filter: set[int] | None = None
     duplicate_stdout_filters: list[str] = dataclasses.field(default_factory=list)
     duplicate_stderr_filters: list[str] = dataclasses.field(default_factory=list)
     logs_specs: str | None = None
     log_line_prefix_template: str | None = None
-    # issue 16: flags and worker variables
+    # flags and worker variables
     signals_to_handle: HandledSignals = field(default_factory=lambda: parse_signals(DEFAULT_SIGNALS))
     virtual_local_rank: bool = False
     numa_binding: str | None = None
     numa_cpus: dict[int, frozenset[int]] | None = None
-    # issue 16: operations hooks (health check, watchdog, stuck-process check), from their variables
+    # operations hooks (health check, watchdog, stuck-process check), from their variables
     ops: OpsHooks = OpsHooks()
-    # issue 16: events, metrics and error files
+    # events, metrics and error files
     #: ``--event-log-handler``: a name registered in torch's ``events.handlers``.
     event_log_handler: str = "null"
     #: ``--metrics-handler``: a torch ``MetricHandler`` for the ``torchelastic`` group, or ``None`` (left as is).
     metrics_handler: Any = None
-    # issue 18: progress, hangs and metrics
+    # progress, hangs and metrics
     #: ``--hang-timeout``: seconds without progress before a worker is hung (``None``: off).
     hang_timeout: float | None = None
     #: ``--metrics-port`` (or ``RDZV_METRICS_PORT``): the Prometheus port, or ``None``.

@@ -1,4 +1,4 @@
-"""A member whose clock is 30 s ahead is not evicted: liveness is judged by the server's TTLs (issue 7).
+"""A member whose clock is 30 s ahead is not evicted: liveness is judged by the server's TTLs.
 
 One agent runs in a subprocess under libfaketime (``LD_PRELOAD`` +
 ``FAKETIME="+30s"``: its wall clock -- ``time.time()``, and every C library's

@@ -1,4 +1,4 @@
-"""Leader failure in a real three-member etcd cluster (issue 7): the job goes on through the new leader.
+"""Leader failure in a real three-member etcd cluster: the job goes on through the new leader.
 
 A :class:`~conformance_tests.etcd_cluster.EtcdCluster` (three ``etcd`` processes on
 loopback, v2 API enabled) serves both ``etcd-v3://`` and ``etcd-v2://``. Every

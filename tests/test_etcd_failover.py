@@ -1,7 +1,7 @@
 """Failover between the endpoints of a multi-host etcd URL when the first endpoint is silent.
 
 A silent endpoint is a listening socket that never answers (as a member on a partitioned host: the
-connection may even be accepted, nothing comes back). Found by the multi-host scenarios (issue 17).
+connection may even be accepted, nothing comes back). Found by the multi-host scenarios.
 """
 
 from __future__ import annotations

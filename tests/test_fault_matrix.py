@@ -1,4 +1,4 @@
-"""The agent kill matrix (issue 7): one agent PROCESS dies at each phase of a round; the others recover.
+"""The agent kill matrix: one agent PROCESS dies at each phase of a round; the others recover.
 
 Three agents of one run (``tests/fault_agents/agent.py``, one process each):
 the victim V and the survivors S1, S2; ``min_nodes=2``, ``max_nodes=3``,

@@ -118,7 +118,7 @@ def test_not_a_database(tmp_path: Path) -> None:
 def test_opening_a_fresh_file_waits_for_another_connections_first_write(
     tmp_path: Path, hold: float, timeout: float
 ) -> None:
-    """Issue 14, item 9: a new, empty store file is in rollback-journal mode, and an open whose
+    """A new, empty store file is in rollback-journal mode, and an open whose
     switch to WAL met another connection's first write (its RESERVED lock, as another opener's
     switch holds it) raised BackendTimeout at once: SQLite skips the busy handler there. The open
     now waits for it, for up to ``operation_timeout``, and only then says the file stayed locked."""

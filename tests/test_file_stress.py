@@ -1,6 +1,6 @@
 """``file://``: many processes opening, joining and watching a FRESH store directory at the same moment.
 
-Issue 14, item 9: one of two ``rdzv-run --nnodes 2:2`` nodes started together on a new
+Seen once: one of two ``rdzv-run --nnodes 2:2`` nodes started together on a new
 directory failed with "cannot open the rendezvous ...: stayed locked for more than
 operation_timeout". The cause was the switch of the new, empty file to WAL mode
 (``PRAGMA journal_mode = WAL``, run outside any transaction and outside any retry): it

@@ -1,4 +1,4 @@
-"""A three-member etcd cluster, one member per host, whose leader's host is partitioned (issue 17, scenario 4).
+"""A three-member etcd cluster, one member per host, whose leader's host is partitioned.
 
 Six hosts (``conformance_tests.multihost``): members ``e0``..``e2`` (``EtcdCluster`` placed on them)
 and one ``rdzv-run`` launcher on each of ``node0``..``node2`` (``--nnodes 3:3``, gloo workers

@@ -1,4 +1,4 @@
-"""Partitions between real hosts while a job trains (issue 17, scenarios 2 and 3).
+"""Partitions between real hosts while a job trains.
 
 Four hosts (``conformance_tests.multihost``): the backend server on ``server`` and one ``rdzv-run``
 launcher on each of ``node0``..``node2`` (``--nnodes 2:3``, one gloo worker each, every step an

@@ -1,11 +1,11 @@
-"""Scenario 1 of issue 17 on namespace hosts: nodes that cannot resolve each other's names train together.
+"""On namespace hosts: nodes that cannot resolve each other's names train together.
 
 One server host (Redis and etcd with the v2 API) and three node hosts whose ``/etc/hosts`` list only
 ``localhost`` (conformance_tests/multihost.py). A real ``rdzv-run`` per node host starts one gloo
 worker (tests/agent_workers/worker.py ``--allreduce``): the round must form at world size 3 with
 ranks 0, 1, 2, every worker must join the process group at the ``MASTER_ADDR`` it was given (the
 all-reduce of RANK+1 is 6 everywhere) and every launcher must exit 0. ``MASTER_ADDR`` must be the
-address of the host of rank 0 (its name resolves nowhere). Before issue 17 rank 0 published its host
+address of the host of rank 0 (its name resolves nowhere). Rank 0 used to publish its host
 name and the workers could not reach it.
 
 The comparison with plain torchrun (``--rdzv-backend c10d`` and ``rdzv-redis``) asserts what each

@@ -1,4 +1,4 @@
-"""A node partitioned during its join, during its confirmation, and while it waits as a spare (issue 17, scenario 5).
+"""A node partitioned during its join, during its confirmation, and while it waits as a spare.
 
 Four hosts (``conformance_tests.multihost``): Redis on ``server``, one rendezvous agent process on each of
 ``a``, ``b`` and ``v`` (``tests/fault_agents/agent.py``: ``Rendezvous.next_round`` on command, stopped

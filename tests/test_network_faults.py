@@ -1,4 +1,4 @@
-"""Network faults between clients and a real server (issue 7), through a loopback TCP proxy.
+"""Network faults between clients and a real server, through a loopback TCP proxy.
 
 Every client here reaches its server (a real ``redis-server`` or ``etcd``; the
 session's ``rdzv_server_redis`` / ``rdzv_server_etcd``) through a
@@ -423,7 +423,7 @@ def _deletes_of(kv: KVBackend, prefix: str, key: str, after: int, until: float) 
     return deleted
 
 
-# -- the c10d Store's deadline (issue 14, item 1) ------------------------------------------------
+# -- the c10d Store's deadline ---------------------------------------------------------------
 STORE_TIMEOUT = 1.0  #: the Store's timeout in these tests; clients keep the default operation_timeout (10 s)
 #: A Store call may take its timeout plus this (an attempt already on the wire when the time ran out).
 STORE_MARGIN = 1.0

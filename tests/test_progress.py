@@ -1,4 +1,4 @@
-"""Progress, hangs and metrics end to end (issue 18, part 2): three real ``rdzv-run`` launchers over ``file://``.
+"""Progress, hangs and metrics end to end: three real ``rdzv-run`` launchers over ``file://``.
 
 One job (the fixture ``job`` starts it; one test drives it through three phases, each gated by files
 the workers wait for):

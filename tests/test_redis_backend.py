@@ -380,7 +380,7 @@ def test_refresh_extends_server_ttl_without_event(server: RedisServer, opened: C
         kv.refresh(prefix + "k", 1)
 
 
-# -- corrupt storage (issue 7): data another tool wrote -------------------------------------------
+# -- corrupt storage: data another tool wrote --------------------------------------------------
 @pytest.fixture
 def fresh(server: RedisServer, opened: Callable[[str], KVBackend]) -> tuple[KVBackend, str]:
     """A backend on a namespace of its own (corrupting it disturbs no other test), and that namespace's prefix."""
@@ -573,7 +573,7 @@ def _catch(call: Callable[[], Any]) -> Any:
         return exc
 
 
-# -- watch wake-ups and the connection pool (issue 6) -----------------------------------------------
+# -- watch wake-ups and the connection pool ------------------------------------------------------
 def evalsha_calls(server: RedisServer) -> int:
     """Scripts the server ran so far (all clients; not counting NOSCRIPT answers, which make redis-py load one)."""
     with redis.Redis(host=server.host, port=server.port, socket_timeout=PATIENCE) as client:
@@ -661,7 +661,7 @@ def test_a_watch_on_an_announced_prefix_starts_where_its_events_are(server: Redi
 def test_a_first_watch_of_a_quiet_prefix_does_not_scan_the_log(server: RedisServer,
                                                                 fresh: tuple[KVBackend, str]) -> None:
     """A watch of a prefix nobody watched yet, from before 2,000 events elsewhere, reads none of them:
-    the server knows each prefix's latest event (issue 6: at 1,024 agents, every agent's watch of the
+    the server knows each prefix's latest event (else, at 1,024 agents, every agent's watch of the
     round record read every join of the round)."""
     kv, _ = fresh
     writer = open_backend(server.url(namespace=kv.namespace))
