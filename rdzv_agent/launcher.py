@@ -343,6 +343,14 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
         pending.append(signum)
         raise SignalException(signum)
 
+    def raise_lost_signal() -> None:
+        """A handled signal's exception can be lost: raised in a callback whose exceptions Python prints and
+        drops (an at-fork hook while the launcher forks a worker, a finalizer). The agent's loop still
+        running with a signal pending means it was: raise it again there."""
+        if pending and pending[0] != 0:
+            raise SignalException(pending[0])
+
+    agent.check_interrupted = raise_lost_signal
     previous = {sig: signal.signal(sig, on_signal) for sig in signals}
     failures: list[WorkerFailure] = []
     raised: BaseException | None = None

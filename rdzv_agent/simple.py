@@ -203,6 +203,10 @@ class SimpleElasticAgent(ElasticAgent):
     def _monitor_workers(self, worker_group: WorkerGroup) -> MonitorResult:
         """Check the workers and return the group's new state."""
 
+    #: Called between the checks of the workers; it may raise to stop :meth:`run` (the launcher's
+    #: :class:`SignalException` for a signal whose first exception was lost).
+    check_interrupted: Callable[[], None] | None = None
+
     def _wait(self, seconds: float) -> None:
         """Wait between checks; subclasses may return early when a worker exits."""
         time.sleep(seconds)
@@ -425,6 +429,8 @@ class SimpleElasticAgent(ElasticAgent):
             if group.state == WorkerState.INIT:
                 raise RuntimeError(f"[{role}] worker group was never started")
             self._wait(spec.monitor_interval)
+            if self.check_interrupted is not None:
+                self.check_interrupted()
             result = self._monitor_workers(group)
             state = result.state
             group.state = state

@@ -459,3 +459,41 @@ def test_a_launcher_that_hides_its_password_parses_the_url_once_per_image(tmp_pa
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = parse_log.read_text().split("\n")[:-1]
     assert sorted(lines) == ["first parse_qsl", "first parse_url", "reexec parse_qsl", "reexec parse_url"], lines
+
+
+SWALLOWING_LAUNCHER = """
+import signal, sys
+from rdzv_agent import local
+from rdzv_agent.launcher import main
+
+started = local.LocalElasticAgent._start_workers
+
+
+class Swallowed:
+    def __del__(self):  # Python prints and drops what a finalizer raises, as it does for an at-fork hook
+        signal.raise_signal(signal.SIGTERM)
+
+
+def start_then_signal(self, group):
+    pids = started(self, group)
+    Swallowed()
+    return pids
+
+
+local.LocalElasticAgent._start_workers = start_then_signal
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_signal_whose_exception_was_lost_still_stops_the_launcher(procs, tmp_path):
+    """SIGTERM arriving where its exception is printed and dropped (while the launcher forks, in a finalizer):
+    the launcher still stops its workers and exits 128 + SIGTERM, as for any SIGTERM."""
+    out = str(tmp_path / "out")
+    script = tmp_path / "swallowing_launcher.py"
+    script.write_text(SWALLOWING_LAUNCHER)
+    launcher = procs.start(["--standalone", "--monitor-interval", "0.1", WORKER, "--out", out, "--wait-for",
+                            str(tmp_path / "never")], "node", module="swallowing_launcher",
+                           env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+    rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
+    assert launcher.wait(60) == 128 + signal.SIGTERM, launcher.tail()
+    wait_until(lambda: not pid_alive(rec["pid"]), 30, "the worker to be gone", launcher.tail)
