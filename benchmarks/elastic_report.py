@@ -2,7 +2,7 @@
 
     python -m benchmarks.elastic_report RUN.json [--merge MORE.json ...] [--rephase] [--write-docs]
 
-Targets (issue: fast re-form), at the ``defaults`` setting (torch's 30 s last call, ``keep_alive_ttl`` 5 s):
+Targets of the fast re-form rule, at the ``defaults`` setting (torch's 30 s last call, ``keep_alive_ttl`` 5 s):
 ``rdzv-run`` over redis, etcd-v3 and file: kill <= 1.5 s, leave <= 1.5 s, grow <= 2 s, freeze <= ttl + 1.5 s;
 ``torchrun`` with the ``rdzv-redis`` handler: kill <= 2.5 s, freeze <= ttl + 2.5 s; each of these at least 10x
 faster than ``torchrun:c10d`` at its defaults in the same run. At ``lc1`` (``last_call_timeout=1``): no rdzv
@@ -42,6 +42,11 @@ RECORD, PLOT = "elastic-phases.json", "elastic-phases.png"
 
 def _is_rdzv(target: str) -> bool:
     return target not in BASELINES
+
+
+def _within(cell: dict[str, Any], bound: float | None) -> bool:
+    """Whether the cell's median recovery is at most ``bound`` s (``None``: no bound, met once it recovered)."""
+    return cell["median_s"] is not None and (bound is None or cell["median_s"] <= bound)
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -92,7 +97,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         bound = TARGETS_DEFAULTS.get(target, {}).get(event) if setting == "defaults" else None
         if bound is not None:
             verdicts.append({"what": f"defaults: {event} {target} <= {bound:g} s", "value": cell["median_s"],
-                             "met": cell["median_s"] is not None and cell["median_s"] <= bound})
+                             "met": _within(cell, bound)})
             if "x_c10d" in cell:
                 ratio = cell["x_c10d"]
                 value = float(ratio.lstrip(">")) if isinstance(ratio, str) else ratio
@@ -104,7 +109,7 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         if setting == "lc1" and f"{target}|{event}" in previous:
             before = previous[f"{target}|{event}"]
             verdicts.append({"what": f"lc1: {event} {target} <= previous run ({before} s)", "value": cell["median_s"],
-                             "met": cell["median_s"] is not None and (before is None or cell["median_s"] <= before)})
+                             "met": _within(cell, before)})
         if event == "spare":
             restarts = cell["member_restarts"]
             verdicts.append({"what": f"{setting}: spare {target}: 0 member restarts while waiting",
@@ -136,14 +141,14 @@ def _bound(cell: dict[str, Any], previous: dict[str, Any]) -> str:
         bound = TARGETS_DEFAULTS.get(cell["target"], {}).get(cell["event"])
         if bound is None:
             return ""
-        ok = cell["median_s"] is not None and cell["median_s"] <= bound
+        ok = _within(cell, bound)
         return f"<= {bound:g}: {'hit' if ok else '**miss**'}"
     before = previous.get(f"{cell['target']}|{cell['event']}")
     if before is None and f"{cell['target']}|{cell['event']}" not in previous:
         return ""
     if before is None:
         return "prev. not recovered"
-    ok = cell["median_s"] is not None and cell["median_s"] <= before
+    ok = _within(cell, before)
     if not _is_rdzv(cell["target"]):
         return f"prev. {before:.2f}"
     return f"prev. {before:.2f}: {'hit' if ok else '**miss**'}"

@@ -98,6 +98,7 @@ class _RoundWatch:
         self.answers = Responsiveness(slow=watched.ttl / 3, max_gap=float("inf"))
         self.judge_at: float | None = None  # a rank is missing: look again then (monotonic)
         self.judged = False  # a missing key was judged lost (the round destroyed here or by someone else)
+        self.over = False  # the judgement showed the round over with the run going on (no need to look again)
         self.missing_since: float | None = None  # when a prompt listing first showed a rank missing (monotonic)
         self.dead: list[KVBackend] = []  # clients found closed
         self.lock = threading.Lock()
@@ -166,14 +167,16 @@ class _RoundWatch:
                 self.stopped.wait(1.0)
 
     def _ended(self) -> None:
-        """The watch ended after judging a missing key: if the round is over and the run goes on
-        (:func:`~.rendezvous.state_io.round_ended`, one look for every subscriber), tell the subscribers
-        (``on_end``); a backend error is logged and tells nobody, what a callback raises is logged."""
+        """The watch ended after judging a missing key: if the round is over and the run goes on (known from
+        the judgement, else :func:`~.rendezvous.state_io.round_ended`: one look for every subscriber), tell
+        the subscribers (``on_end``); a backend error is logged and tells nobody, what a callback raises is
+        logged."""
         kv = self._client()
         if not self.judged or self.stopped.is_set() or kv is None:
             return
         try:
-            if not round_ended(kv, self.watched.keys, self.watched.version, self.watched.rid or None):
+            if not self.over and not round_ended(kv, self.watched.keys, self.watched.version,
+                                                 self.watched.rid or None):
                 return
         except RdzvError as exc:  # unreachable, closed, or a corrupt record: the agents re-join without the mark
             log.warning("round watch of run %s version %d: could not tell whether the round ended: %s",
@@ -212,7 +215,7 @@ class _RoundWatch:
         # whose calls keep stalling must not put the judgement off for ever).
         judge_at = judged_at(self._answering_since(), self.missing_since, k.ttl)
         if now < judge_at and round_ended(kv, k.keys, k.version, k.rid or None):
-            self.judged = True  # another node destroyed it already: nothing to judge, the members may re-join
+            self.judged = self.over = True  # another node destroyed it already: nothing to judge
             return None
         if now < judge_at:
             if self.judge_at is None:
@@ -221,7 +224,7 @@ class _RoundWatch:
             self.judge_at = judge_at
             return revision
         self.judged = True
-        destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted (the backend answered for "
+        self.over = destroy(kv, k, f"keep-alive of rank(s) {missing} lapsed or was deleted (the backend answered for "
                        f"{now - self._answering_since():.1f} s, missing for {now - self.missing_since:.1f} s)")
         return None
 
