@@ -271,7 +271,7 @@ class _Worker:
     def kill(self) -> float:
         for agent in self.agents:
             if agent.victim:
-                agent.proxy.close()  # its KeepAlive ends on BackendClosed; its key stays until the TTL
+                agent.proxy.close()  # its KeepAlive ends on BackendClosedError; its key stays until the TTL
         return time.monotonic()
 
     def cleanup(self) -> None:
@@ -315,7 +315,7 @@ class _Monitor:
     """Watches one round's keys during the steady hold, from a client of the worker's own.
 
     A watch thread counts ``DELETE`` events of the round's ``alive/`` keys (a lapsed
-    or deleted keep-alive key; after ``HistoryCompacted`` it lists the keys again and
+    or deleted keep-alive key; after ``HistoryCompactedError`` it lists the keys again and
     counts missing ones instead). Every ``check_interval`` seconds a check thread
     lists ``alive/`` (the fewest keys seen), reads the round record (how many reads
     differed from the record at the start) and calls ``num_nodes_waiting()`` of one
@@ -355,13 +355,13 @@ class _Monitor:
             self.out["errors"].append(f"{where}: {type(exc).__name__}: {exc}"[:300])
 
     def _watch(self) -> None:
-        from rdzv_core.errors import HistoryCompacted
+        from rdzv_core.errors import HistoryCompactedError
 
         after = self.revision
         while not self._stop.is_set():
             try:
                 events = self.kv.watch(self.alive_prefix, after, 1.0)
-            except HistoryCompacted:
+            except HistoryCompactedError:
                 self.out["watch_compacted"] += 1
                 entries, after = self.kv.list(self.alive_prefix)
                 missing = self.expected - {e.key for e in entries}

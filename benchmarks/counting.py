@@ -3,8 +3,8 @@
 Every public operation of the wrapped backend is counted once per call, by
 *phase* (``round`` while ``next_round`` runs, ``bootstrap`` for the handler's
 MASTER_ADDR exchange, ``keepalive`` for calls made on a keep-alive thread), and
-so are the outcomes that mean "lost a race": ``CompareFailed`` (compare-and-swap,
-compare-and-delete), ``KeyExists`` (create) and ``KeyNotFound`` (compare-and-*,
+so are the outcomes that mean "lost a race": ``CompareFailedError`` (compare-and-swap,
+compare-and-delete), ``KeyExistsError`` (create) and ``KeyNotFoundError`` (compare-and-*,
 refresh). The proxy forwards to the wrapped backend's *public* methods, so the
 counts are exactly the calls the state machine makes — not estimates. What a
 backend does underneath one call (etcd's ``add`` is a read/transaction loop) is
@@ -20,7 +20,7 @@ import threading
 from collections import Counter
 from typing import Any
 
-from rdzv_core.errors import CompareFailed, KeyExists, KeyNotFound
+from rdzv_core.errors import CompareFailedError, KeyExistsError, KeyNotFoundError
 from rdzv_core.kv import Entry, Event, KVBackend
 
 __all__ = ["CountingKV", "READ_OPS", "WRITE_OPS", "KEEPALIVE_THREAD_PREFIX"]
@@ -47,8 +47,8 @@ class CountingKV(KVBackend):
             ``next_round`` returned). Calls from keep-alive threads always count
             under ``"keepalive"``.
         counts: ``Counter`` of ``(phase, op)`` -> calls, and
-            ``(phase, "conflict:" + op)`` -> ``CompareFailed``/``KeyExists``
-            outcomes, ``(phase, "not_found:" + op)`` -> ``KeyNotFound`` outcomes.
+            ``(phase, "conflict:" + op)`` -> ``CompareFailedError``/``KeyExistsError``
+            outcomes, ``(phase, "not_found:" + op)`` -> ``KeyNotFoundError`` outcomes.
     """
 
     def __init__(self, inner: KVBackend, owns_inner: bool = False) -> None:
@@ -88,10 +88,10 @@ class CountingKV(KVBackend):
         phase = self._count(op)
         try:
             return getattr(self.inner, op)(*args)
-        except (CompareFailed, KeyExists):
+        except (CompareFailedError, KeyExistsError):
             self._outcome(phase, op, "conflict")
             raise
-        except KeyNotFound:
+        except KeyNotFoundError:
             self._outcome(phase, op, "not_found")
             raise
 

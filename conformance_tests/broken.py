@@ -10,7 +10,7 @@ proof that the suite catches the bug, not just that correct backends pass.
 =======================  ==================================================================
 scheme                   the bug
 =======================  ==================================================================
-``broken-cas``           ``compare_and_swap`` ignores the expected revision (still ``KeyNotFound``
+``broken-cas``           ``compare_and_swap`` ignores the expected revision (still ``KeyNotFoundError``
                          on an absent key)
 ``broken-ttl``           TTLs never expire (``ttl`` is dropped; ``refresh`` does nothing)
 ``broken-watch``         ``watch`` drops ``DELETE`` events
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rdzv_core.errors import KeyNotFound
+from rdzv_core.errors import KeyNotFoundError
 from rdzv_core.kv import Entry, Event, EventType
 from rdzv_core.plugins import BackendSpec, hookimpl
 from rdzv_core.url import RendezvousURL
@@ -40,7 +40,7 @@ class CasIgnoresRevision(MemoryBackend):
     def _do_compare_and_swap(self, key: str, value: bytes, expected_revision: int, ttl: float | None) -> Entry:
         with self._ks.guard:
             if self._ks.live(key) is None:
-                raise KeyNotFound(f"key {key!r} not found", key)
+                raise KeyNotFoundError(f"key {key!r} not found", key)
             return self._ks.write(key, value, ttl)  # BUG: no revision check
 
 
@@ -59,7 +59,7 @@ class TtlNeverExpires(MemoryBackend):
     def _do_refresh(self, key: str, ttl: float) -> None:
         with self._ks.guard:
             if self._ks.live(key) is None:
-                raise KeyNotFound(f"key {key!r} not found", key)  # BUG: the TTL is not set
+                raise KeyNotFoundError(f"key {key!r} not found", key)  # BUG: the TTL is not set
 
 
 class WatchDropsDeletes(MemoryBackend):

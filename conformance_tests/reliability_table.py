@@ -75,7 +75,7 @@ NET_OPS = ("open", "get", "list", "put", "create", "compare_and_swap", "compare_
            "refresh", "watch")
 NET_MODES = (("test_black_hole_fails_each_operation_within_one_operation_timeout", "black hole"),
              ("test_drop_fails_each_operation_promptly_with_connection_error", "drop"))
-ERROR_ABBREV = {"BackendTimeout": "timeout", "BackendConnectionError": "conn. error"}
+ERROR_ABBREV = {"BackendTimeoutError": "timeout", "BackendConnectionError": "conn. error"}
 CLUSTER_FAULTS = {
     "test_leader_killed_mid_rendezvous": "leader killed mid-rendezvous",
     "test_leader_killed_during_a_final_round": "leader killed during a final round",

@@ -34,13 +34,13 @@ from typing import Any, Callable, Iterator, TypeVar
 import pytest
 
 from rdzv_core import (
-    BackendTimeout,
-    BackendUnavailable,
+    BackendTimeoutError,
+    BackendUnavailableError,
     KVBackend,
     Rendezvous,
     RendezvousParams,
     RendezvousStateError,
-    ValueTooLarge,
+    ValueTooLargeError,
     open_backend,
 )
 from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
@@ -95,11 +95,11 @@ def crew(fast_kv: Callable[[], KVBackend]) -> Iterator[Callable[..., list[Agent]
 
 
 def _eventually(fn: Callable[[], T], deadline: float) -> T:
-    """``fn()``, retried (jittered 50-100 ms) while it raises BackendUnavailable, until ``deadline``."""
+    """``fn()``, retried (jittered 50-100 ms) while it raises BackendUnavailableError, until ``deadline``."""
     while True:
         try:
             return fn()
-        except BackendUnavailable:
+        except BackendUnavailableError:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(random.uniform(0.05, 0.1))
@@ -116,7 +116,7 @@ def test_server_restart_mid_rendezvous(server: Any, crew, fast_kv, record_proper
     The server comes back with its data (every shipped controller persists).
     Expected: once the third agent arrives, all three finish one round of 3
     within the overall timeout, raising nothing: the waiting agents retry
-    ``BackendUnavailable`` until their deadline. (A waiting agent that retries
+    ``BackendUnavailableError`` until their deadline. (A waiting agent that retries
     takes a new ticket in the same round; its old one is a ghost that makes the
     round freeze with a member who never confirms, so it can take one frozen-round
     TTL longer.) Losing the keys instead is
@@ -148,7 +148,7 @@ def test_server_restart_mid_rendezvous(server: Any, crew, fast_kv, record_proper
 def test_server_killed_mid_watch(server: Any, fast_kv, key_prefix: str, record_property) -> None:
     """Kill -9 the server while a watch (timeout 30 s) waits: it ends within ``SILENT_LIMIT`` s, never hangs.
 
-    Expected: the watch returns ``[]`` or raises a ``BackendUnavailable`` subclass
+    Expected: the watch returns ``[]`` or raises a ``BackendUnavailableError`` subclass
     within about ``operation_timeout`` of the kill (a watch retries a lost
     connection for ``operation_timeout`` at most). After the restart a new watch
     on the same client sees a new write.
@@ -183,7 +183,7 @@ def test_server_killed_mid_watch(server: Any, fast_kv, key_prefix: str, record_p
         server.start()
     record_property("watch_end_s", round(ended, 2))
     record_property("watch_outcome", "returned" if isinstance(outcome[0], list) else type(outcome[0]).__name__)
-    assert outcome[0] == [] or isinstance(outcome[0], BackendUnavailable), f"unexpected: {outcome[0]!r}"
+    assert outcome[0] == [] or isinstance(outcome[0], BackendUnavailableError), f"unexpected: {outcome[0]!r}"
     assert ended <= SILENT_LIMIT, f"the watch ended {ended:.2f} s after the kill (limit {SILENT_LIMIT} s)"
     assert any(e.key == key_prefix + "k" and e.value == b"after" and e.revision == put.revision for e in events)
 
@@ -194,10 +194,10 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
 
     Expected during the pause: ``get``, ``put``, ``list``, ``add``, ``refresh`` and
     the c10d Store's ``get``/``set`` (Store timeout 1 s) each raise
-    ``BackendTimeout`` within ``SILENT_LIMIT`` s (about ``operation_timeout``, not
+    ``BackendTimeoutError`` within ``SILENT_LIMIT`` s (about ``operation_timeout``, not
     a multiple of it; the Store's calls c10d's ``DistStoreError`` caused by it),
     and a 1 s ``watch`` returns ``[]`` or raises
-    ``BackendUnavailable`` within 1 s more; the members' keep-alive threads keep running
+    ``BackendUnavailableError`` within 1 s more; the members' keep-alive threads keep running
     through the errors. After the resume each keep-alive key either survived (its
     thread goes on refreshing) or expired (its thread reports ``lapsed`` and
     ends): recorded as ``ttl_after_pause``. The members' next rendezvous then
@@ -265,15 +265,15 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
         limit = SILENT_LIMIT
         if name == "watch":  # it may first wait out its own timeout, as for a quiet server
             limit += OP_TIMEOUT
-            if not (result == [] or isinstance(result, BackendUnavailable)):
-                problems.append(f"watch: returned {result!r}, expected [] or BackendUnavailable")
+            if not (result == [] or isinstance(result, BackendUnavailableError)):
+                problems.append(f"watch: returned {result!r}, expected [] or BackendUnavailableError")
         elif name.startswith("store."):  # c10d's error for a timeout, the backend's as its cause
             import torch.distributed as dist
 
-            if not (isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendTimeout)):
-                problems.append(f"{name}: {result!r}, expected DistStoreError from BackendTimeout")
-        elif not isinstance(result, BackendTimeout):
-            problems.append(f"{name}: {result!r}, expected BackendTimeout")
+            if not (isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendTimeoutError)):
+                problems.append(f"{name}: {result!r}, expected DistStoreError from BackendTimeoutError")
+        elif not isinstance(result, BackendTimeoutError):
+            problems.append(f"{name}: {result!r}, expected BackendTimeoutError")
         if elapsed > limit:
             problems.append(f"{name}: took {elapsed:.2f} s (limit {limit} s)")
     assert not problems, "\n".join(problems)
@@ -314,7 +314,7 @@ def test_final_round_across_a_short_restart(server: Any, crew, fast_kv, capabili
             try:
                 revision = observer.list(watcher.keys.tree)[1]
                 observer.watch(watcher.keys.tree, revision, max(0.0, settle - time.monotonic()))
-            except BackendUnavailable:
+            except BackendUnavailableError:
                 time.sleep(0.05)
         after = _eventually(watcher.describe, time.monotonic() + 10)
     finally:
@@ -432,7 +432,7 @@ def test_corrupt_round_record_names_the_key_and_reset_recovers(garbage: Any, kv:
     """A corrupt round record gives ``RendezvousStateError`` naming the key, promptly and once.
 
     Expected: ``next_round`` (min_nodes = max_nodes = 2) raises at its first read
-    (its timeout is 3 s: a retry loop would end in ``RendezvousTimeout`` instead,
+    (its timeout is 3 s: a retry loop would end in ``RendezvousTimeoutError`` instead,
     with no crash loop of errors), and leaves the record as it was
     (for the operator to inspect); ``rdzv reset URL --yes`` deletes the run's
     state and the next ``next_round`` forms a round. The 10 MB case writes
@@ -452,7 +452,7 @@ def _assert_state_error_then_reset(kv: KVBackend, url: str, key: str, garbage: b
     run_id = url.split("?")[0].rsplit("/", 1)[1]
     rdzv = Rendezvous(kv, run_id, RendezvousParams(min_nodes=2, max_nodes=2, timeout=3, keep_alive_ttl=TTL))
     t0 = time.monotonic()
-    with pytest.raises(RendezvousStateError) as info:  # a retry loop would end in RendezvousTimeout
+    with pytest.raises(RendezvousStateError) as info:  # a retry loop would end in RendezvousTimeoutError
         rdzv.next_round()
     record_property("raised_after_s", round(time.monotonic() - t0, 2))
     assert info.value.key == key
@@ -518,7 +518,7 @@ def _limit(capabilities: Any) -> int:
 
 @pytest.mark.parametrize("operation", ["set", "compare_set", "append", "extra_data"])
 def test_value_above_the_limit_fails_at_once(operation: str, kv: KVBackend, key_prefix: str, capabilities) -> None:
-    """Store values above ``max_value_bytes`` raise ``ValueTooLarge`` at once, having written nothing.
+    """Store values above ``max_value_bytes`` raise ``ValueTooLargeError`` at once, having written nothing.
 
     Through the c10d Store (``set``, ``compare_set``, ``append``) and
     ``Rendezvous.store_extra_data``. "At once": the size is checked before any
@@ -540,22 +540,22 @@ def test_value_above_the_limit_fails_at_once(operation: str, kv: KVBackend, key_
         "append": lambda: store.append("existing", too_big),
         "extra_data": lambda: rdzv.store_extra_data(1, "blob", too_big),
     }
-    with pytest.raises(ValueTooLarge):
+    with pytest.raises(ValueTooLargeError):
         calls[operation]()
     assert store.get("existing") == b"small"
-    assert kv.watch(key_prefix, after, 0.2) == [], f"{operation} wrote something before raising ValueTooLarge"
+    assert kv.watch(key_prefix, after, 0.2) == [], f"{operation} wrote something before raising ValueTooLargeError"
 
 
 def test_multi_set_with_one_value_above_the_limit_writes_nothing(kv: KVBackend, key_prefix: str,
                                                                  capabilities) -> None:
-    """``multi_set`` with one value above ``max_value_bytes`` raises ``ValueTooLarge`` and writes no key."""
+    """``multi_set`` with one value above ``max_value_bytes`` raises ``ValueTooLargeError`` and writes no key."""
     limit = _limit(capabilities)
     pytest.importorskip("torch")
     from rdzv_core.store import KVStore
 
     store = KVStore(kv, key_prefix + "store/")
     after = kv.put(key_prefix + "marker", b"").revision
-    with pytest.raises(ValueTooLarge):
+    with pytest.raises(ValueTooLargeError):
         store.multi_set(["small", "big"], [b"1", b"\0" * (limit + 1)])
-    assert kv.watch(key_prefix, after, 0.2) == [], "multi_set wrote a key before raising ValueTooLarge"
+    assert kv.watch(key_prefix, after, 0.2) == [], "multi_set wrote a key before raising ValueTooLargeError"
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from rdzv_core import CompareFailed, Entry, KeyExists, KeyNotFound, KVBackend, KVError, escape_segment
+from rdzv_core import CompareFailedError, Entry, KeyExistsError, KeyNotFoundError, KVBackend, KVError, escape_segment
 
 pytestmark = pytest.mark.protocol
 
@@ -65,7 +65,7 @@ def make_machine(kv: KVBackend, base: str) -> type[RuleBasedStateMachine]:
             if key in self.model:
                 try:
                     kv.create(key, value)
-                except KeyExists:
+                except KeyExistsError:
                     return
                 raise AssertionError(f"create({key!r}) succeeded on a present key")
             self.wrote(kv.create(key, value), key, value)
@@ -81,15 +81,15 @@ def make_machine(kv: KVBackend, base: str) -> type[RuleBasedStateMachine]:
             if key not in self.model:
                 try:
                     kv.compare_and_swap(key, value, max(self.last_revision, 1))
-                except KeyNotFound:
+                except KeyNotFoundError:
                     return
-                raise AssertionError(f"CAS on absent {key!r} did not raise KeyNotFound")
+                raise AssertionError(f"CAS on absent {key!r} did not raise KeyNotFoundError")
             if not correct:
                 try:
                     kv.compare_and_swap(key, value, self.wrong_revision(key))
-                except CompareFailed:
+                except CompareFailedError:
                     return
-                raise AssertionError(f"CAS on {key!r} with a wrong revision did not raise CompareFailed")
+                raise AssertionError(f"CAS on {key!r} with a wrong revision did not raise CompareFailedError")
             self.wrote(kv.compare_and_swap(key, value, self.model[key][1]), key, value)
 
         @rule(name=names, correct=st.booleans())
@@ -98,13 +98,13 @@ def make_machine(kv: KVBackend, base: str) -> type[RuleBasedStateMachine]:
             if key not in self.model:
                 try:
                     kv.compare_and_delete(key, max(self.last_revision, 1))
-                except KeyNotFound:
+                except KeyNotFoundError:
                     return
-                raise AssertionError(f"compare_and_delete on absent {key!r} did not raise KeyNotFound")
+                raise AssertionError(f"compare_and_delete on absent {key!r} did not raise KeyNotFoundError")
             if not correct:
                 try:
                     kv.compare_and_delete(key, self.wrong_revision(key))
-                except CompareFailed:
+                except CompareFailedError:
                     return
                 raise AssertionError(f"compare_and_delete on {key!r} with a wrong revision did not fail")
             kv.compare_and_delete(key, self.model.pop(key)[1])

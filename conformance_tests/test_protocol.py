@@ -18,18 +18,18 @@ from typing import Any, Callable, Iterator
 import pytest
 
 from rdzv_core import (
-    BackendClosed,
-    CompareFailed,
+    BackendClosedError,
+    CompareFailedError,
     Entry,
     Event,
     EventType,
-    HistoryCompacted,
+    HistoryCompactedError,
     InvalidKeyError,
-    KeyExists,
-    KeyNotFound,
+    KeyExistsError,
+    KeyNotFoundError,
     KVBackend,
     KVError,
-    ValueTooLarge,
+    ValueTooLargeError,
     escape_segment,
     unescape_segment,
 )
@@ -204,7 +204,7 @@ def test_create_only_if_absent(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     entry = kv.create(key, b"first")
     assert entry == Entry(key, b"first", entry.revision), "create must return the entry it wrote"
-    with raises(KeyExists, "create on a present key must raise KeyExists"):
+    with raises(KeyExistsError, "create on a present key must raise KeyExistsError"):
         kv.create(key, b"second")
     assert kv.get(key) == entry, "a failed create must not change the key"
 
@@ -232,19 +232,19 @@ def test_cas_stale_revision_fails(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     old = kv.put(key, b"old")
     current = kv.put(key, b"current")
-    with raises(CompareFailed, "compare_and_swap with a stale revision must raise CompareFailed") as info:
+    with raises(CompareFailedError, "compare_and_swap with a stale revision must raise CompareFailedError") as info:
         kv.compare_and_swap(key, b"lost", old.revision)
-    assert info.value.actual_revision in (None, current.revision), "CompareFailed.actual_revision is wrong"
+    assert info.value.actual_revision in (None, current.revision), "CompareFailedError.actual_revision is wrong"
     assert kv.get(key) == current, "a failed CAS must not change the key"
 
 
 def test_cas_absent_key(kv: KVBackend, key_prefix: str) -> None:
     other = kv.put(key_prefix + "other", b"x")
-    with raises(KeyNotFound, "compare_and_swap on a never-written key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "compare_and_swap on a never-written key must raise KeyNotFoundError"):
         kv.compare_and_swap(key_prefix + "never", b"x", other.revision)
     gone = kv.put(key_prefix + "gone", b"x")
     kv.delete(key_prefix + "gone")
-    with raises(KeyNotFound, "compare_and_swap on a deleted key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "compare_and_swap on a deleted key must raise KeyNotFoundError"):
         kv.compare_and_swap(key_prefix + "gone", b"x", gone.revision)
     assert kv.get(key_prefix + "never") is None and kv.get(key_prefix + "gone") is None, (
         "a failed compare_and_swap must not create the key"
@@ -255,12 +255,12 @@ def test_compare_and_delete(kv: KVBackend, key_prefix: str) -> None:
     key = key_prefix + "k"
     old = kv.put(key, b"old")
     current = kv.put(key, b"current")
-    with raises(CompareFailed, "compare_and_delete with a stale revision must raise CompareFailed"):
+    with raises(CompareFailedError, "compare_and_delete with a stale revision must raise CompareFailedError"):
         kv.compare_and_delete(key, old.revision)
     assert kv.get(key) == current, "a failed compare_and_delete must not change the key"
     kv.compare_and_delete(key, current.revision)
     assert kv.get(key) is None, "compare_and_delete with the current revision must delete"
-    with raises(KeyNotFound, "compare_and_delete on an absent key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "compare_and_delete on an absent key must raise KeyNotFoundError"):
         kv.compare_and_delete(key, current.revision)
 
 
@@ -374,9 +374,9 @@ def test_expired_key_counts_as_absent(kv: KVBackend, key_prefix: str, capabiliti
     assert wait_deleted(kv, c, after, ttl_deadline(capabilities, TTL) + PATIENCE) is not None, (
         "expiry never reached watch as a DELETE"
     )
-    with raises(KeyNotFound, "refresh of an expired key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "refresh of an expired key must raise KeyNotFoundError"):
         kv.refresh(a, 5.0)
-    with raises(KeyNotFound, "compare_and_swap on an expired key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "compare_and_swap on an expired key must raise KeyNotFoundError"):
         kv.compare_and_swap(b, b"y", entry_b.revision)
     assert kv.add(c, 1) == 1, "add on an expired key counts from 0"
     assert kv.create(a, b"again").value == b"again", "create on an expired key must succeed"
@@ -431,7 +431,7 @@ def test_expire_tree_takes_a_ttl(kv: KVBackend, key_prefix: str) -> None:
 
 
 def test_refresh_absent_key(kv: KVBackend, key_prefix: str) -> None:
-    with raises(KeyNotFound, "refresh of an absent key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "refresh of an absent key must raise KeyNotFoundError"):
         kv.refresh(key_prefix + "never", 1.0)
 
 
@@ -452,7 +452,7 @@ def test_ttl_remaining_reports_the_time_left(kv: KVBackend, key_prefix: str, cap
     assert after is not None and 120.0 - 10.0 < after <= 120.0 + slack, f"refreshed to 120 s, reported {after!r} s"
     kv.put(timed, b"y")
     assert kv.ttl_remaining(timed) is None, "writing with ttl=None must remove the TTL"
-    with raises(KeyNotFound, "ttl_remaining of an absent key must raise KeyNotFound"):
+    with raises(KeyNotFoundError, "ttl_remaining of an absent key must raise KeyNotFoundError"):
         kv.ttl_remaining(key_prefix + "t/never")
 
 
@@ -563,12 +563,12 @@ def test_history_compacted_and_recovery(kv: KVBackend, key_prefix: str) -> None:
     while True:
         try:
             kv.watch(key_prefix + "h/", start, 0)
-        except HistoryCompacted:
+        except HistoryCompactedError:
             break
         if written >= max_writes or time.monotonic() > deadline:
             pytest.skip(
                 f"the backend did not compact its history within {written} writes and "
-                f"{time.monotonic() - deadline + budget:.1f}s (HistoryCompacted is optional; recovery not tested)"
+                f"{time.monotonic() - deadline + budget:.1f}s (HistoryCompactedError is optional; recovery not tested)"
             )
         for _ in range(chunk):
             kv.put(key, str(written).encode())
@@ -581,12 +581,12 @@ def test_history_compacted_and_recovery(kv: KVBackend, key_prefix: str) -> None:
     entry = kv.put(key, b"after")
     events = collect(kv, key_prefix + "h/", revision, 1)
     assert events == [Event(PUT, key, entry.revision, b"after")], (
-        "after HistoryCompacted, a watch from the revision re-read must work"
+        "after HistoryCompactedError, a watch from the revision re-read must work"
     )
 
 
 def test_close_ends_a_blocked_watch(kv_factory: Callable[[], KVBackend], key_prefix: str) -> None:
-    """Closing a client during a watch must not hang it or make it raise anything but BackendClosed."""
+    """Closing a client during a watch must not hang it or make it raise anything but BackendClosedError."""
     kv = kv_factory()
     after = head(kv, key_prefix)
     result: list[Any] = []
@@ -594,7 +594,7 @@ def test_close_ends_a_blocked_watch(kv_factory: Callable[[], KVBackend], key_pre
     def watch() -> None:
         try:
             result.append(kv.watch(key_prefix, after, 2.0))
-        except BackendClosed as exc:
+        except BackendClosedError as exc:
             result.append(exc)
 
     thread = threading.Thread(target=watch)
@@ -602,8 +602,8 @@ def test_close_ends_a_blocked_watch(kv_factory: Callable[[], KVBackend], key_pre
     kv.close()
     thread.join(2.0 + PATIENCE)
     assert not thread.is_alive() and len(result) == 1, "close must end a blocked watch promptly"
-    assert result[0] == [] or isinstance(result[0], BackendClosed), (
-        f"a watch ended by close must return [] or raise BackendClosed, not {result[0]!r}"
+    assert result[0] == [] or isinstance(result[0], BackendClosedError), (
+        f"a watch ended by close must return [] or raise BackendClosedError, not {result[0]!r}"
     )
 
 
@@ -657,10 +657,10 @@ def test_value_too_large_writes_nothing(kv: KVBackend, key_prefix: str, capabili
         lambda: kv.create(key_prefix + "new", too_big),
         lambda: kv.compare_and_swap(key, too_big, existing.revision),
     ):
-        with raises(ValueTooLarge, f"a value above max_value_bytes={limit} must raise ValueTooLarge"):
+        with raises(ValueTooLargeError, f"a value above max_value_bytes={limit} must raise ValueTooLargeError"):
             call()
-    assert kv.get(key) == existing and kv.get(key_prefix + "new") is None, "ValueTooLarge must write nothing"
-    assert kv.watch(key_prefix, after, 0.2) == [], "ValueTooLarge must write nothing"
+    assert kv.get(key) == existing and kv.get(key_prefix + "new") is None, "ValueTooLargeError must write nothing"
+    assert kv.watch(key_prefix, after, 0.2) == [], "ValueTooLargeError must write nothing"
 
 
 HOSTILE = [b"", b"\x00", b"/", b"//", b".", b"..", b"../x", b"\xff\xfe", "ü/ß".encode(), b"%", b"%25", b"_",
@@ -772,12 +772,12 @@ def test_closed_backend_raises(kv_factory: Callable[[], KVBackend], key_prefix: 
         lambda: kv.add(key_prefix + "c", 1),
         lambda: kv.watch(key_prefix, 0, 0),
     ):
-        with raises(BackendClosed, "every call on a closed backend must raise BackendClosed"):
+        with raises(BackendClosedError, "every call on a closed backend must raise BackendClosedError"):
             call()
     assert other.get(k) == entry, "closing one client must not affect another"
     with kv_factory() as scoped:
         scoped.get(k)
-    with raises(BackendClosed, "leaving a backend's with-block must close it"):
+    with raises(BackendClosedError, "leaving a backend's with-block must close it"):
         scoped.get(k)
 
 
@@ -807,7 +807,8 @@ def test_concurrent_cas_has_one_winner(kv_factory: Callable[[], KVBackend], key_
         assert len(winners) == 1, (
             f"compare_and_swap must be atomic: exactly one of {THREADS} CAS on one revision may win; got {results}"
         )
-        assert all(isinstance(r, CompareFailed) for r in losers), f"the losing CAS must raise CompareFailed: {losers}"
+        assert all(isinstance(r, CompareFailedError) for r in losers), \
+            f"the losing CAS must raise CompareFailedError: {losers}"
         assert clients[0].get(key) == winners[0], "the key must hold the winning CAS"
 
 
@@ -818,8 +819,8 @@ def test_concurrent_create_has_one_winner(kv_factory: Callable[[], KVBackend], k
         results = run_threads(THREADS, lambda i: clients[i].create(key, str(i).encode()))
         winners = [r for r in results if isinstance(r, Entry)]
         assert len(winners) == 1, f"create must be atomic: exactly one of {THREADS} creates may win; got {results}"
-        assert all(isinstance(r, KeyExists) for r in results if r is not winners[0]), (
-            f"the losing creates must raise KeyExists: {results}"
+        assert all(isinstance(r, KeyExistsError) for r in results if r is not winners[0]), (
+            f"the losing creates must raise KeyExistsError: {results}"
         )
         assert clients[0].get(key) == winners[0], "the key must hold the winning create"
 
@@ -835,7 +836,7 @@ def test_concurrent_compare_and_delete_has_one_winner(
         assert results.count(None) == 1, (
             f"compare_and_delete must be atomic: exactly one of {THREADS} may win; got {results}"
         )
-        assert all(isinstance(r, (KeyNotFound, CompareFailed)) for r in results if r is not None), (
-            f"the losing compare_and_deletes must raise KeyNotFound or CompareFailed: {results}"
+        assert all(isinstance(r, (KeyNotFoundError, CompareFailedError)) for r in results if r is not None), (
+            f"the losing compare_and_deletes must raise KeyNotFoundError or CompareFailedError: {results}"
         )
         assert clients[0].get(key) is None, "compare_and_delete must delete"

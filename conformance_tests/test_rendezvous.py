@@ -19,10 +19,10 @@ from rdzv_core import (
     KVBackend,
     KVError,
     Rendezvous,
-    RendezvousClosed,
+    RendezvousClosedError,
     RendezvousParams,
     RendezvousStateError,
-    RendezvousTimeout,
+    RendezvousTimeoutError,
     RoundResult,
 )
 from rdzv_core.rendezvous import RunKeys
@@ -88,7 +88,7 @@ def crew_of(clients: Callable[[], KVBackend], run_prefix: str, defaults: dict[st
     yield make
     for agent in made:
         if agent.thread is not None and agent.thread.is_alive():
-            agent.kv.close()  # a failed test's agent: BackendClosed ends its next_round at once
+            agent.kv.close()  # a failed test's agent: BackendClosedError ends its next_round at once
             agent.thread.join(10)
         if leave:
             try:
@@ -382,16 +382,16 @@ def test_closed_run_refuses_new_rounds(agents) -> None:
     _until_true(lambda: group[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
     group[0].rdzv.set_closed()
     assert group[1].rdzv.is_closed()
-    with pytest.raises(RendezvousClosed):
+    with pytest.raises(RendezvousClosedError):
         waiting.wait(20)
-    with pytest.raises(RendezvousClosed):
+    with pytest.raises(RendezvousClosedError):
         group[1].start().wait(20)
 
 
 def test_overall_timeout(agents) -> None:
     lonely = agents(1, min_nodes=2, max_nodes=2, timeout=1.0)[0]
     t0 = time.monotonic()
-    with pytest.raises(RendezvousTimeout):
+    with pytest.raises(RendezvousTimeoutError):
         lonely.start().wait(10)
     assert 1.0 <= time.monotonic() - t0 <= 3.0
 
@@ -402,7 +402,7 @@ def test_extra_data(agents) -> None:
     payload = bytes(range(256))
     group[0].rdzv.store_extra_data(r[0].version, "weights/../x\x00", payload)
     assert group[1].rdzv.load_extra_data(r[0].version, "weights/../x\x00", timeout=5) == payload
-    with pytest.raises(RendezvousTimeout):
+    with pytest.raises(RendezvousTimeoutError):
         group[1].rdzv.load_extra_data(r[0].version, "never", timeout=0.3)
 
 
@@ -517,14 +517,14 @@ def test_a_spare_does_not_disturb_a_full_round_and_takes_a_lost_place(agents, kv
 
 
 def test_a_spare_exits_gracefully_when_the_run_closes(agents) -> None:
-    from rdzv_core import RendezvousGracefulExit
+    from rdzv_core import RendezvousGracefulExitError
 
     members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     _wait_all(members)
     spare = agents(1, min_nodes=2, max_nodes=2)[0].start()
     _until_true(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     members[0].rdzv.set_closed()
-    with pytest.raises(RendezvousGracefulExit):
+    with pytest.raises(RendezvousGracefulExitError):
         spare.wait(20 * TTL)
 
 

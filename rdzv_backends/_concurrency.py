@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Generic, Hashable, TypeVar, cast
 
-from rdzv_core.errors import BackendTimeout, KVError
+from rdzv_core.errors import BackendTimeoutError, KVError
 
 __all__ = ["Deadline", "RaceRetry", "AddCombiner", "ReadCoalescer", "copy_error"]
 
@@ -115,9 +115,9 @@ class RaceRetry:
         self._stalls += 1
         return True if self._stalls == 1 else self.deadline.backoff()
 
-    def exhausted(self, what: str, key: str, operation_timeout: float) -> BackendTimeout:
+    def exhausted(self, what: str, key: str, operation_timeout: float) -> BackendTimeoutError:
         """The error once :meth:`again` said no: ``what`` lost every race until the deadline."""
-        return BackendTimeout(
+        return BackendTimeoutError(
             f"{what} lost {self.attempts} races in a row to other writers of the key within "
             f"operation_timeout={operation_timeout:g} s", key
         )
@@ -148,7 +148,7 @@ class AddCombiner(Generic[D]):
     effect at the write's instant, in queue order. A failed write fails its
     whole batch with the same error. A batch runs under its leader's (the
     oldest call's) deadline; a call still queued at its own deadline leaves
-    the queue and raises :class:`~rdzv_core.errors.BackendTimeout`, having
+    the queue and raises :class:`~rdzv_core.errors.BackendTimeoutError`, having
     written nothing.
     """
 
@@ -169,7 +169,7 @@ class AddCombiner(Generic[D]):
 
         Raises:
             whatever ``apply`` raised for this call's batch;
-            BackendTimeout: the call's deadline passed while it was queued.
+            BackendTimeoutError: the call's deadline passed while it was queued.
         """
         me: _Waiter[D] = _Waiter(delta, deadline)
         with self._lock:
@@ -195,10 +195,12 @@ class AddCombiner(Generic[D]):
             queue = self._queues.get(key)
             if queue is not None and me in queue:  # never taken into a batch: nothing was written
                 queue.remove(me)
-                raise BackendTimeout(f"add({key!r}) waited past its deadline behind other adds of this process", key)
+                raise BackendTimeoutError(
+                    f"add({key!r}) waited past its deadline behind other adds of this process", key)
         # In a batch whose leader started before us (so its deadline is earlier): it ends soon.
         if not me.done.wait(me.deadline.remaining() + 30.0):
-            raise BackendTimeout(f"add({key!r}) did not complete in time; it may or may not have taken effect", key)
+            raise BackendTimeoutError(
+                f"add({key!r}) did not complete in time; it may or may not have taken effect", key)
 
     def _lead(self, key: str, me: _Waiter[D], apply: Callable[[int, D], int]) -> int:
         with self._lock:
@@ -273,7 +275,7 @@ class ReadCoalescer:
 
         Raises:
             whatever ``fetch`` raised for this call's group (a copy per call);
-            BackendTimeout: the request before this call's group did not end in time.
+            BackendTimeoutError: the request before this call's group did not end in time.
         """
         with self._lock:
             slot = self._flights.get(key)
@@ -289,7 +291,7 @@ class ReadCoalescer:
                 me.calls += 1
         if not lead:
             if not me.done.wait(deadline.remaining() + 30.0):
-                raise BackendTimeout(f"a read of {key!r} shared with other threads did not end in time")
+                raise BackendTimeoutError(f"a read of {key!r} shared with other threads did not end in time")
             if me.error is not None:
                 raise copy_error(me.error)
             return cast(T, me.answer)
@@ -297,7 +299,7 @@ class ReadCoalescer:
             with self._lock:
                 if slot is not None and slot[1] is me:  # never promoted: give the group up
                     slot[1] = None
-                    me.error = BackendTimeout(f"a read of {key!r} in flight in another thread did not end in time")
+                    me.error = BackendTimeoutError(f"a read of {key!r} in flight in another thread did not end in time")
                     me.done.set()
                     raise copy_error(me.error)
         try:

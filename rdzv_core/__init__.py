@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from . import errors as _errors
 from .errors import (
     BackendClosedError,
     BackendConnectionError,
@@ -43,7 +42,6 @@ from .errors import (
 )
 from .kv import Capabilities, Entry, Event, EventType, KVBackend, escape_segment, unescape_segment
 from .plugins import BackendInfo, BackendSpec, hookimpl, list_backends, open_backend, parse_backend_url
-from .plugins import get_registry as get_registry  # noqa: F401  (imported from here before; not in __all__)
 from .rendezvous import Progress, Rendezvous, RendezvousParams, RoundResult
 from .rendezvous.record import RoundRecord, RunKeys, Status
 from .url import RendezvousURL, parse_url
@@ -78,7 +76,7 @@ __all__ = [
     "Status",
     "RendezvousURL",
     "parse_url",
-    # errors (the former names without "Error" stay importable: errors.OLD_NAMES)
+    # errors
     "RdzvError",
     "KVError",
     "KeyExistsError",
@@ -104,14 +102,6 @@ __all__ = [
     "RendezvousTimeoutError",
     "RendezvousStateError",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """The former error names (``BackendUnavailable``, ...): the same classes as their ``...Error`` names."""
-    new = _errors.OLD_NAMES.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(_errors, new)
 
 
 def create_handler(url: str | RendezvousURL, **overrides: Any) -> "RendezvousHandler":

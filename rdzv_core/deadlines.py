@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Iterator
 
-from .errors import BackendTimeout, InvalidArgumentError
+from .errors import BackendTimeoutError, InvalidArgumentError
 
 __all__ = ["deadline", "call_budget", "budget_text", "check_timeout"]
 
@@ -25,7 +25,7 @@ def deadline(seconds: float | None) -> Iterator[None]:
     """Bound every backend call this thread makes inside the block to end within ``seconds`` from now.
 
     Backends that honour it (every built-in one) give each request ``call_budget(...)``
-    seconds and raise :class:`~rdzv_core.errors.BackendTimeout` when the time is up.
+    seconds and raise :class:`~rdzv_core.errors.BackendTimeoutError` when the time is up.
     Nested blocks keep the earlier deadline; ``None`` adds no bound.
 
     Raises:
@@ -47,14 +47,14 @@ def call_budget(operation_timeout: float) -> float:
     :func:`deadline` (the time left to the calling thread's deadline).
 
     Raises:
-        BackendTimeout: that deadline has passed.
+        BackendTimeoutError: that deadline has passed.
     """
     at: float | None = getattr(_call_deadline, "at", None)
     if at is None:
         return operation_timeout
     left = at - time.monotonic()
     if left <= 0:
-        raise BackendTimeout("the caller's deadline passed before the request was sent", None)
+        raise BackendTimeoutError("the caller's deadline passed before the request was sent", None)
     return min(operation_timeout, left)
 
 

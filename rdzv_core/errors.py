@@ -27,8 +27,7 @@
     ├── RendezvousTimeoutError           no round completed within the overall timeout
     └── RendezvousStateError             the stored rendezvous state is corrupt
 
-Naming rule: every exception class ends in ``Error``. The earlier names without it (``KeyExists``,
-``BackendUnavailable``, ``RendezvousTimeout``, ... see :data:`OLD_NAMES`) are aliases of the same classes.
+Naming rule: every exception class ends in ``Error``.
 
 The rendezvous handler maps these onto torch's ``RendezvousClosedError``,
 ``RendezvousTimeoutError``, ``RendezvousConnectionError`` and
@@ -67,19 +66,6 @@ __all__ = [
     "RendezvousGracefulExitError",
     "RendezvousTimeoutError",
     "RendezvousStateError",
-    # the names before the naming rule (aliases)
-    "KeyExists",
-    "KeyNotFound",
-    "CompareFailed",
-    "HistoryCompacted",
-    "ValueTooLarge",
-    "CorruptEntry",
-    "BackendClosed",
-    "BackendUnavailable",
-    "BackendTimeout",
-    "RendezvousClosed",
-    "RendezvousGracefulExit",
-    "RendezvousTimeout",
 ]
 
 
@@ -302,27 +288,3 @@ class RendezvousStateError(RdzvError):
         super().__init__(message)
         self.key = key
 
-
-# The names before the naming rule: the same classes.
-KeyExists = KeyExistsError
-KeyNotFound = KeyNotFoundError
-CompareFailed = CompareFailedError
-HistoryCompacted = HistoryCompactedError
-ValueTooLarge = ValueTooLargeError
-CorruptEntry = CorruptEntryError
-BackendClosed = BackendClosedError
-BackendUnavailable = BackendUnavailableError
-BackendTimeout = BackendTimeoutError
-RendezvousClosed = RendezvousClosedError
-RendezvousGracefulExit = RendezvousGracefulExitError
-RendezvousTimeout = RendezvousTimeoutError
-
-#: Old name -> current name of every renamed error class.
-OLD_NAMES = {
-    "KeyExists": "KeyExistsError", "KeyNotFound": "KeyNotFoundError", "CompareFailed": "CompareFailedError",
-    "HistoryCompacted": "HistoryCompactedError", "ValueTooLarge": "ValueTooLargeError",
-    "CorruptEntry": "CorruptEntryError", "BackendClosed": "BackendClosedError",
-    "BackendUnavailable": "BackendUnavailableError", "BackendTimeout": "BackendTimeoutError",
-    "RendezvousClosed": "RendezvousClosedError", "RendezvousGracefulExit": "RendezvousGracefulExitError",
-    "RendezvousTimeout": "RendezvousTimeoutError",
-}

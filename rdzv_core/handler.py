@@ -72,13 +72,13 @@ def _mapped(fn: Callable[..., T]) -> Callable[..., T]:
     def wrapper(*args: Any, **kwargs: Any) -> T:
         try:
             return fn(*args, **kwargs)
-        except errors.RendezvousGracefulExit as exc:
+        except errors.RendezvousGracefulExitError as exc:
             raise torch_api.RendezvousGracefulExitError(str(exc)) from exc
-        except errors.RendezvousClosed as exc:
+        except errors.RendezvousClosedError as exc:
             raise torch_api.RendezvousClosedError(str(exc)) from exc
-        except errors.RendezvousTimeout as exc:
+        except errors.RendezvousTimeoutError as exc:
             raise torch_api.RendezvousTimeoutError(str(exc)) from exc
-        except errors.BackendUnavailable as exc:
+        except errors.BackendUnavailableError as exc:
             raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         except (errors.RendezvousStateError, errors.KVError) as exc:
             raise torch_api.RendezvousStateError(str(exc)) from exc
@@ -162,7 +162,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             kv = info.spec.open(parsed)
             if observe.active():  # metrics are on (rdzv-run --metrics-port): time every request
                 kv = MeteredKV(kv)
-        except errors.BackendUnavailable as exc:
+        except errors.BackendUnavailableError as exc:
             construct_and_record_rdzv_event(run_id=parsed.run_id, message=f"{type(exc).__name__}: {exc}",
                                             node_state=NodeState.FAILED)  # torch's create_handler does
             raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
@@ -244,7 +244,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         except dist.DistNetworkError as exc:
             raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
         except dist.DistStoreError as exc:
-            if isinstance(exc.__cause__, errors.BackendUnavailable):  # the backend, not rank 0, was silent
+            if isinstance(exc.__cause__, errors.BackendUnavailableError):  # the backend, not rank 0, was silent
                 raise torch_api.RendezvousConnectionError(f"rendezvous backend unavailable: {exc}") from exc
             raise torch_api.RendezvousTimeoutError(
                 f"round {result.version}: rank 0 did not publish MASTER_ADDR/MASTER_PORT within {wait}: {exc}"
@@ -277,7 +277,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         """
         try:
             waiting = self._rdzv.num_nodes_waiting()
-        except errors.BackendUnavailable as exc:
+        except errors.BackendUnavailableError as exc:
             self._waiting_outage.failed("run %s: cannot check for waiting nodes (the workers keep running): %s",
                                         self._rdzv.run_id, exc)
             return 0
@@ -298,7 +298,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             return False
         try:
             progress.publish(self._kv, self._rdzv.keys, current, self._rdzv.node_id, workers, ttl, hang_timeout)
-        except (errors.BackendUnavailable, errors.BackendClosed) as exc:
+        except (errors.BackendUnavailableError, errors.BackendClosedError) as exc:
             self._progress_outage.failed("run %s: cannot publish the workers' progress: %s", self._rdzv.run_id, exc)
             return False
         self._progress_outage.recovered("run %s: the workers' progress is published again", self._rdzv.run_id)
@@ -354,7 +354,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             try:
                 self._closed_ok = self._close_unless_others_carry_on()
                 break
-            except errors.BackendUnavailable as exc:  # a backend restart at the end of the job: wait for it
+            except errors.BackendUnavailableError as exc:  # a backend restart at the end of the job: wait for it
                 if time.monotonic() >= deadline:
                     log.warning("run %s: failed to close the rendezvous at shutdown (backend unavailable for %.0f s):"
                                 " %s", self._rdzv.run_id, retry, exc)

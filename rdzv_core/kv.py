@@ -15,7 +15,7 @@ Prefixes
     ``""`` (the whole keyspace) or a key followed by ``/``; they select the keys
     below them (string-prefix match).
 Values
-    ``bytes``; at most ``capabilities.max_value_bytes`` (else :class:`ValueTooLarge`,
+    ``bytes``; at most ``capabilities.max_value_bytes`` (else :class:`ValueTooLargeError`,
     raised before anything is written).
 Revisions
     Every write (create, put, compare-and-swap, add, take_ticket, delete, expiry) advances a
@@ -35,13 +35,13 @@ Watch
     with revision > ``after_revision`` (in revision order), blocking until there
     is at least one or ``timeout`` seconds pass (then ``[]``). A backend may
     return fewer events than exist (callers re-read and watch again) but never
-    an event at or below ``after_revision``. :class:`HistoryCompacted` means the
+    an event at or below ``after_revision``. :class:`HistoryCompactedError` means the
     history after ``after_revision`` is gone: re-read, then watch from the
     revision read. Closing the backend while a watch runs makes that watch return
-    ``[]`` or raise :class:`~rdzv_core.errors.BackendClosed` promptly.
+    ``[]`` or raise :class:`~rdzv_core.errors.BackendClosedError` promptly.
 Counters
     ``add`` stores ASCII decimal (``-?[0-9]+``); any other present value is a
-    :class:`~rdzv_core.errors.CorruptEntry`.
+    :class:`~rdzv_core.errors.CorruptEntryError`.
 Tickets
     ``take_ticket(key)`` hands concurrent callers 1, 2, 3, ..., each number once;
     ``tickets(key)`` says how many were taken. A ticket key is written and read only
@@ -53,11 +53,11 @@ Deadlines
     caller with a tighter bound (the c10d Store: its timeout) wraps its calls in
     :func:`deadline` (:mod:`rdzv_core.deadlines`); a backend gives each request it sends ``call_budget(its
     operation_timeout)`` seconds, so the call ends by the caller's deadline too
-    (a small margin aside), with :class:`~rdzv_core.errors.BackendTimeout`.
+    (a small margin aside), with :class:`~rdzv_core.errors.BackendTimeoutError`.
 Corrupt storage
     Data at a key that this protocol did not write (a value of the wrong storage
     type, unparseable bookkeeping) makes ``get``/``list``/``add``/... raise
-    :class:`~rdzv_core.errors.CorruptEntry` naming the key -- never a crash with a
+    :class:`~rdzv_core.errors.CorruptEntryError` naming the key -- never a crash with a
     client library's exception, never a hang -- and ``delete(key)`` removes it.
 
 The errors are drawn in :mod:`rdzv_core.errors`.
@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
 from .deadlines import check_timeout as _check_timeout
-from .errors import BackendClosed, CorruptEntry, InvalidArgumentError, KeyNotFound, ValueTooLarge
+from .errors import BackendClosedError, CorruptEntryError, InvalidArgumentError, KeyNotFoundError, ValueTooLargeError
 from .keys import check_key, check_prefix, escape_segment, join_key, unescape_segment  # re-exported
 
 _List = list  # ``list`` is also a method name of KVBackend; annotations inside the class use this
@@ -155,7 +155,7 @@ class Capabilities:
         max_value_bytes: the largest value accepted (bytes), ``None`` if unlimited.
         ttl_resolution: how late (seconds) an expiry may be observed by watch.
         tickets_in_value: ``get`` reads a ticket key as its count (ASCII decimal), and
-            foreign data there is a ``CorruptEntry`` (``False`` on etcd v3: the count is
+            foreign data there is a ``CorruptEntryError`` (``False`` on etcd v3: the count is
             the key's version).
     """
 
@@ -188,7 +188,7 @@ class KVBackend(abc.ABC):
 
     Subclasses implement the ``_do_*`` methods (arguments already validated) and set
     :attr:`capabilities`. All methods are thread-safe and synchronous. Transient
-    server trouble raises :class:`~rdzv_core.errors.BackendUnavailable` subclasses
+    server trouble raises :class:`~rdzv_core.errors.BackendUnavailableError` subclasses
     within the operation's deadline; nothing retries forever.
     """
 
@@ -218,7 +218,7 @@ class KVBackend(abc.ABC):
         """Write ``key`` only if absent; return the new entry.
 
         Raises:
-            KeyExists: the key is present.
+            KeyExistsError: the key is present.
         """
         self._check_open()
         return self._do_create(check_key(key), self._check_value(key, value), _check_ttl(ttl))
@@ -234,8 +234,8 @@ class KVBackend(abc.ABC):
         """Replace ``key``'s value if its revision is ``expected_revision``.
 
         Raises:
-            KeyNotFound: the key is absent.
-            CompareFailed: the key's revision differs.
+            KeyNotFoundError: the key is absent.
+            CompareFailedError: the key's revision differs.
         """
         self._check_open()
         return self._do_compare_and_swap(
@@ -246,8 +246,8 @@ class KVBackend(abc.ABC):
         """Delete ``key`` if its revision is ``expected_revision``.
 
         Raises:
-            KeyNotFound: the key is absent.
-            CompareFailed: the key's revision differs.
+            KeyNotFoundError: the key is absent.
+            CompareFailedError: the key's revision differs.
         """
         self._check_open()
         self._do_compare_and_delete(check_key(key), _check_revision(expected_revision))
@@ -261,7 +261,7 @@ class KVBackend(abc.ABC):
         """Restart ``key``'s TTL at ``ttl`` seconds without changing its value.
 
         Raises:
-            KeyNotFound: the key is absent (for example its TTL already ran out).
+            KeyNotFoundError: the key is absent (for example its TTL already ran out).
         """
         self._check_open()
         checked = _check_ttl(ttl)
@@ -285,7 +285,7 @@ class KVBackend(abc.ABC):
 
         Raises:
             InvalidArgumentError: a bad TTL; InvalidKeyError: a bad prefix.
-            CorruptEntry: as :meth:`list`.
+            CorruptEntryError: as :meth:`list`.
         """
         self._check_open()
         checked = _check_ttl(ttl)
@@ -300,7 +300,7 @@ class KVBackend(abc.ABC):
         (``b"5"``), as c10d's ``Store.add`` does.
 
         Raises:
-            CorruptEntry: the present value is not a decimal integer.
+            CorruptEntryError: the present value is not a decimal integer.
         """
         self._check_open()
         if isinstance(delta, bool) or not isinstance(delta, int):
@@ -313,14 +313,14 @@ class KVBackend(abc.ABC):
         ``tickets(key)`` counts them; after ``delete(key)`` they start again at 1.
 
         Raises:
-            CorruptEntry: ``key`` holds data that is no ticket counter (nothing written).
-            BackendUnavailable: as every write; the ticket may have been taken if no answer came.
+            CorruptEntryError: ``key`` holds data that is no ticket counter (nothing written).
+            BackendUnavailableError: as every write; the ticket may have been taken if no answer came.
         """
         self._check_open()
         return self._do_take_ticket(check_key(key))
 
     def tickets(self, key: str) -> int:
-        """How many tickets were taken at ``key`` (0 if none); :class:`CorruptEntry` as ``take_ticket``."""
+        """How many tickets were taken at ``key`` (0 if none); :class:`CorruptEntryError` as ``take_ticket``."""
         self._check_open()
         return self._do_tickets(check_key(key))
 
@@ -333,7 +333,7 @@ class KVBackend(abc.ABC):
             timeout: seconds to wait at most; ``[]`` when nothing happened in time.
 
         Raises:
-            HistoryCompacted: events after ``after_revision`` are no longer available.
+            HistoryCompactedError: events after ``after_revision`` are no longer available.
         """
         self._check_open()
         if isinstance(after_revision, bool) or not isinstance(after_revision, int) or after_revision < 0:
@@ -349,7 +349,7 @@ class KVBackend(abc.ABC):
         that backend's resolution (etcd: whole seconds).
 
         Raises:
-            KeyNotFound: the key is absent (or expired).
+            KeyNotFoundError: the key is absent (or expired).
             NotImplementedError: the backend cannot tell (the default for plugins
                 that do not implement ``_do_ttl_remaining``).
         """
@@ -357,7 +357,7 @@ class KVBackend(abc.ABC):
         return self._do_ttl_remaining(check_key(key))
 
     def close(self) -> None:
-        """Release connections and threads; later calls raise :class:`BackendClosed`."""
+        """Release connections and threads; later calls raise :class:`BackendClosedError`."""
         if not self._closed:
             self._closed = True
             self._do_close()
@@ -373,7 +373,7 @@ class KVBackend(abc.ABC):
     # -- helpers ---------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise BackendClosed(f"{type(self).__name__} is closed")
+            raise BackendClosedError(f"{type(self).__name__} is closed")
 
     def _check_value(self, key: str, value: bytes) -> bytes:
         if not isinstance(value, (bytes, bytearray, memoryview)):
@@ -381,7 +381,7 @@ class KVBackend(abc.ABC):
         value = bytes(value)
         limit = self.capabilities.max_value_bytes
         if limit is not None and len(value) > limit:
-            raise ValueTooLarge(
+            raise ValueTooLargeError(
                 f"value of {len(value)} bytes for key {key!r} exceeds this backend's limit of {limit} bytes",
                 key,
             )
@@ -423,12 +423,12 @@ class KVBackend(abc.ABC):
 
     def _do_expire_tree(self, prefix: str, ttl: float) -> int:
         """Default: ``refresh`` each key ``list`` finds (one request each). Skipped, not counted: a key gone
-        meanwhile, and one ``refresh`` finds to be no key of this protocol's (``CorruptEntry``: ``delete`` it)."""
+        meanwhile, and one ``refresh`` finds to be no key of this protocol's (``CorruptEntryError``: ``delete`` it)."""
         count = 0
         for entry in self._do_list(prefix)[0]:
             try:
                 self._do_refresh(entry.key, ttl)
-            except (KeyNotFound, CorruptEntry):
+            except (KeyNotFoundError, CorruptEntryError):
                 continue
             count += 1
         return count
@@ -467,9 +467,9 @@ def watch_prefixes(key: str) -> list[str]:
 
 
 def parse_counter(key: str, raw: bytes) -> int:
-    """Parse a value written by ``add`` (ASCII decimal); raise :class:`CorruptEntry` if it is not one."""
+    """Parse a value written by ``add`` (ASCII decimal); raise :class:`CorruptEntryError` if it is not one."""
     if not _COUNTER.fullmatch(raw):
-        raise CorruptEntry(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key)
+        raise CorruptEntryError(f"value at {key!r} is not a decimal integer: {raw[:40]!r}", key)
     return int(raw)
 
 
@@ -493,14 +493,14 @@ def wait_for_change(kv: KVBackend, prefix: str, after_revision: int, deadline: f
         ``True`` if a change (or lost history, which callers treat the same way:
         re-read) was seen, ``False`` at the deadline.
     """
-    from .errors import HistoryCompacted
+    from .errors import HistoryCompactedError
 
     while (remaining := deadline - time.monotonic()) > 0:
         try:
             # in slices: a deadline may be infinite (c10d's "no timeout"); no socket takes that
             if kv.watch(prefix, after_revision, min(remaining, WATCH_SLICE)):
                 return True
-        except HistoryCompacted:
+        except HistoryCompactedError:
             if read_revision is None or read_revision <= after_revision:
                 return True
             after_revision, read_revision = read_revision, None

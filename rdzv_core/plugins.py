@@ -297,7 +297,7 @@ def open_backend(url: str | RendezvousURL) -> KVBackend:
 
     Raises:
         UnknownBackendError, InvalidURLError: see :func:`parse_backend_url`.
-        BackendUnavailable: the server cannot be reached.
+        BackendUnavailableError: the server cannot be reached.
     """
     info, parsed = parse_backend_url(url, require_run_id=False)
     return info.spec.open(parsed)

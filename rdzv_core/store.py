@@ -18,7 +18,7 @@ Errors are c10d's (both ``RuntimeError``, the rdzv error as ``__cause__``):
 ``torch.distributed.DistStoreError`` for a timeout -- keys not set in time, or a
 backend that did not answer in time -- and ``torch.distributed.DistNetworkError``
 for a lost or refused connection (and a closed backend client).
-``ValueTooLarge`` and ``CorruptEntry`` pass through as they are (bad data, not
+``ValueTooLargeError`` and ``CorruptEntryError`` pass through as they are (bad data, not
 store trouble).
 
 torch's pybind trampoline for Python stores forwards neither the queue methods nor
@@ -42,13 +42,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store as _C10dStore  # dist.Store, typed (torch's .pyi)
 
 from .errors import (
-    BackendClosed,
-    BackendTimeout,
-    BackendUnavailable,
-    CompareFailed,
-    KeyExists,
-    KeyNotFound,
-    ValueTooLarge,
+    BackendClosedError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CompareFailedError,
+    KeyExistsError,
+    KeyNotFoundError,
+    ValueTooLargeError,
 )
 from .kv import Entry, KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
 
@@ -120,10 +120,10 @@ class KVStore(_C10dStore):
         try:
             with deadline(seconds):
                 yield
-        except BackendTimeout as exc:
+        except BackendTimeoutError as exc:
             within = f"within {limit}" if seconds is not None else "(no Store timeout: the backend's own)"
             raise dist.DistStoreError(f"store {what} under {self._prefix!r} did not finish {within}: {exc}") from exc
-        except (BackendUnavailable, BackendClosed) as exc:
+        except (BackendUnavailableError, BackendClosedError) as exc:
             raise dist.DistNetworkError(f"store {what} under {self._prefix!r}: {exc}") from exc
 
     @staticmethod
@@ -154,7 +154,7 @@ class KVStore(_C10dStore):
         limit = self._kv.capabilities.max_value_bytes
         for full, data in pairs:  # all or nothing for sizes: check every value before the first write
             if limit is not None and len(data) > limit:
-                raise ValueTooLarge(f"value of {len(data)} bytes for key {full!r} exceeds {limit} bytes", full)
+                raise ValueTooLargeError(f"value of {len(data)} bytes for key {full!r} exceeds {limit} bytes", full)
         with self._bounded("multi_set"):
             for full, data in pairs:
                 self._kv.put(full, data)
@@ -176,7 +176,7 @@ class KVStore(_C10dStore):
                     else:
                         self._kv.compare_and_swap(full, entry.value + data, entry.revision)
                     return
-                except (KeyExists, KeyNotFound, CompareFailed):
+                except (KeyExistsError, KeyNotFoundError, CompareFailedError):
                     time.sleep(random.uniform(0, 0.005))
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
@@ -199,7 +199,7 @@ class KVStore(_C10dStore):
                         return entry.value
                     self._kv.compare_and_swap(full, desired, entry.revision)
                     return desired
-                except (KeyExists, KeyNotFound, CompareFailed):
+                except (KeyExistsError, KeyNotFoundError, CompareFailedError):
                     time.sleep(random.uniform(0, 0.005))
 
     def delete_key(self, key: str) -> bool:
@@ -338,11 +338,11 @@ class KVStore(_C10dStore):
     def _await_change(self, prefix: str, revision: int, until: float, seconds: float, what: str) -> None:
         """Return once something under ``prefix`` changed after ``revision``; at ``until``
         (monotonic seconds; the wait's ``seconds``) raise ``DistStoreError`` naming ``what``."""
-        cut: BackendTimeout | None = None
+        cut: BackendTimeoutError | None = None
         try:
             if wait_for_change(self._kv, prefix, revision, until):
                 return
-        except BackendTimeout as exc:  # the watch's own request, cut at our deadline: the keys' timeout
+        except BackendTimeoutError as exc:  # the watch's own request, cut at our deadline: the keys' timeout
             if time.monotonic() < until - _CUT_SLACK:
                 raise
             cut = exc

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import rdzv_agent
-from rdzv_agent import cli, master
+from rdzv_agent import launch_args, launch_config, master
 from rdzv_agent.api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState, describe_exit
 from rdzv_agent.launcher import main, worker_environment
 from rdzv_agent.streams import Std, error_excerpt, parse_std, std_for_rank
@@ -188,7 +188,7 @@ def test_port_is_free_sees_a_listening_socket():
 
 
 def config(argv, environ=None, tmp_path=None):
-    return cli.build_config(cli.parse_args(argv), environ or {})
+    return launch_config.build_config(launch_args.parse_args(argv), environ or {})
 
 
 @pytest.fixture
@@ -260,7 +260,7 @@ def test_endpoint_directory_reaches_the_backend_exactly(script, directory):
 
 def test_backend_url_round_trips_hosts_and_run_id():
     for endpoint in ("h:2379", "h1:1,h2:2", "[::1]:2379", "127.0.0.1"):
-        parsed = parse_url(cli.backend_url("etcd", endpoint, "a-b_c.d=e+f:g@h~i"))
+        parsed = parse_url(launch_config.backend_url("etcd", endpoint, "a-b_c.d=e+f:g@h~i"))
         assert parsed.run_id == "a-b_c.d=e+f:g@h~i" and not parsed.params and parsed.username is None
 
 
@@ -276,10 +276,11 @@ def test_bad_run_id_exits_2_before_any_rendezvous(tmp_path, capsys):
 
 def test_static_rendezvous_options(script):
     c = config(["--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29501", script])
-    assert c.static == cli.StaticRendezvous("10.0.0.1", 29501, 1, 2, "none", cli.STATIC_DEFAULT_TIMEOUT)
+    assert c.static == launch_config.StaticRendezvous("10.0.0.1", 29501, 1, 2, "none",
+                                                      launch_args.STATIC_DEFAULT_TIMEOUT)
     assert (c.master_addr, c.master_port, c.min_nodes, c.max_nodes, c.standalone) == ("10.0.0.1", 29501, 2, 2, False)
     c = config(["--rdzv-backend", "static", "--nnodes", "3", "--rdzv-id", "job", "--rdzv-conf", "timeout=30", script])
-    assert c.static == cli.StaticRendezvous("127.0.0.1", 29500, 0, 3, "job", 30)  # torchrun's defaults
+    assert c.static == launch_config.StaticRendezvous("127.0.0.1", 29500, 0, 3, "job", 30)  # torchrun's defaults
     c = config(["--rdzv-backend", "static", "--rdzv-endpoint", "[::1]:7", "--nnodes", "2", "--node-rank", "1", script])
     assert (c.static.master_addr, c.static.master_port, c.static.node_rank) == ("::1", 7, 1)
 
@@ -289,7 +290,7 @@ def test_one_node_static_without_a_port_runs_standalone(script):
     c = config(["--node-rank", "0", "--master-addr", "127.0.0.2", script])
     assert c.standalone and c.static is None and c.master_addr == "127.0.0.2" and c.master_port is None
     c = config(["--rdzv-backend", "static", "--rdzv-id", "myjob", script])
-    assert c.standalone and c.url is None and c.target == cli.Standalone(
+    assert c.standalone and c.url is None and c.target == launch_config.Standalone(
         RendezvousURL("file", (), "", "myjob", {"min_nodes": 1, "max_nodes": 1}))
     assert c.target.in_directory("/tmp/d").redacted() == "file:///tmp/d/myjob?min_nodes=1&max_nodes=1"
 
@@ -312,7 +313,7 @@ def test_master_options_with_an_elastic_rendezvous(script):
     assert c.master_addr == "h"
 
 
-@pytest.mark.parametrize("method", cli.START_METHODS)
+@pytest.mark.parametrize("method", launch_args.START_METHODS)
 def test_start_method_is_accepted_and_changes_nothing(script, method):
     base = config(["--standalone", script])
     c = config(["--standalone", "--start-method", method, script])
@@ -321,7 +322,8 @@ def test_start_method_is_accepted_and_changes_nothing(script, method):
 
 def test_run_path_runs_the_script_with_runpy(script, tmp_path):
     c = config(["--standalone", "--run_path", script, "--lr", "1"])
-    assert c.program == sys.executable and c.program_args == ["-u", "-c", cli.RUN_PATH_CODE, script, "--lr", "1"]
+    assert c.program == sys.executable
+    assert c.program_args == ["-u", "-c", launch_args.RUN_PATH_CODE, script, "--lr", "1"]
     probe = tmp_path / "probe.py"
     probe.write_text("import json, sys\nprint(json.dumps([__name__, sys.argv]))\n")
     out = subprocess.run([c.program, *c.program_args[:3], str(probe), "a", "--b"], capture_output=True, text=True,
@@ -330,7 +332,7 @@ def test_run_path_runs_the_script_with_runpy(script, tmp_path):
 
 
 def test_url_from_environment(script):
-    c = config([script], environ={cli.URL_ENV: "file:///d/run"})
+    c = config([script], environ={launch_args.URL_ENV: "file:///d/run"})
     assert c.url.redacted() == "file:///d/run?min_nodes=1&max_nodes=1"
 
 
@@ -431,38 +433,30 @@ def test_bad_combinations_name_the_option(argv, field, script):
 )
 def test_bad_values_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as info:
-        cli.parse_args(argv)
+        launch_args.parse_args(argv)
     assert info.value.code == 2
 
 
 def test_worker_environment_drops_the_url_and_password():
     env = {
         "PATH": "/usr/bin",
-        cli.URL_ENV: "etcd://u:pw%2Fx@h/run",
+        launch_args.URL_ENV: "etcd://u:pw%2Fx@h/run",
         "OTHER_URL": "redis://u:pw/x@h:1/0",
         "PASSWORD": "pw/x",
         "HARMLESS": "pw",
     }
     out = worker_environment(env, "pw/x")
     assert out == {"PATH": "/usr/bin", "HARMLESS": "pw"}
-    assert worker_environment(env, None).keys() == env.keys() - {cli.URL_ENV}
+    assert worker_environment(env, None).keys() == env.keys() - {launch_args.URL_ENV}
 
 
 def test_strip_rdzv_options_keeps_everything_else():
     argv = ["--nnodes", "2", "--rdzv", "etcd://u:pw@h/r", "-m", "--rdzv_id=x", "--standalone",
             "--rdzv-endpoint", "h:1", "--rdzv-backend", "etcd", "--tee=3", "--run-path", "mod", "--rdzv", "keep"]
-    assert cli.strip_rdzv_options(argv) == ["--nnodes", "2", "-m", "--standalone", "--tee=3", "--run-path", "mod",
-                                            "--rdzv", "keep"]
+    assert launch_args.strip_rdzv_options(argv) == ["--nnodes", "2", "-m", "--standalone", "--tee=3", "--run-path",
+                                                    "mod", "--rdzv", "keep"]
 
 
 def test_nnodes_type_messages():
     with pytest.raises(argparse.ArgumentTypeError):
-        cli._nnodes("2:1")
-
-
-def test_the_old_cli_module_still_gives_every_name():
-    from rdzv_agent import launch_args, launch_config
-
-    for name in [*launch_args.__all__, *launch_config.__all__]:
-        assert getattr(cli, name) is getattr(launch_args if name in launch_args.__all__ else launch_config, name)
-    assert cli.merge_query("etcd://h/r?min_workers=2&x=1", {"min_nodes": "3"}) == "etcd://h/r?x=1&min_nodes=3"
+        launch_args._nnodes("2:1")

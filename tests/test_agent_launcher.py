@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from agent_workers.harness import HERE, WORKER, Launcher, kill_run, pid_alive, wait_until
-from rdzv_agent import cli
+from rdzv_agent import launch_args, launch_config
 from rdzv_agent.launcher import main
 from rdzv_agent.master import choose_port
 from rdzv_core import create_handler
@@ -362,7 +362,7 @@ def test_pet_variables_set_torchruns_options_and_flags_win(monkeypatch, tmp_path
                         "PET_TEE": "3", "PET_RUN_PATH": "1", "PET_START_METHOD": "fork",
                         "PET_LOCAL_ADDR": "127.0.0.1"}.items():
         monkeypatch.setenv(name, value)
-    c = cli.build_config(cli.parse_args([WORKER]))
+    c = launch_config.build_config(launch_args.parse_args([WORKER]))
     assert (c.nproc_per_node, c.min_nodes, c.max_nodes, c.max_restarts, c.monitor_interval, c.role) == (
         3, 2, 4, 2, 0.25, "trainer")
     assert c.url.redacted() == f"file://{tmp_path}/job?last_call_timeout=1.0&min_nodes=2&max_nodes=4"
@@ -370,7 +370,8 @@ def test_pet_variables_set_torchruns_options_and_flags_win(monkeypatch, tmp_path
     # the command line wins, and a bad variable behind a given flag is not even read (as in torchrun)
     monkeypatch.setenv("PET_NPROC_PER_NODE", "abc")
     monkeypatch.setenv("PET_STANDALONE", "0")
-    c = cli.build_config(cli.parse_args(["--nproc-per-node", "2", "--nnodes", "1", "--rdzv-id", "other", WORKER]))
+    argv = ["--nproc-per-node", "2", "--nnodes", "1", "--rdzv-id", "other", WORKER]
+    c = launch_config.build_config(launch_args.parse_args(argv))
     assert (c.nproc_per_node, c.min_nodes, c.max_nodes) == (2, 1, 1)
     assert c.url.redacted().startswith(f"file://{tmp_path}/other?")
     monkeypatch.setenv("PET_STANDALONE", "1")
@@ -378,7 +379,7 @@ def test_pet_variables_set_torchruns_options_and_flags_win(monkeypatch, tmp_path
     monkeypatch.delenv("PET_RDZV_ENDPOINT")
     monkeypatch.delenv("PET_RDZV_ID")
     monkeypatch.delenv("PET_NNODES")
-    assert cli.build_config(cli.parse_args(["--nproc-per-node", "1", WORKER])).standalone
+    assert launch_config.build_config(launch_args.parse_args(["--nproc-per-node", "1", WORKER])).standalone
 
 
 def test_usage_errors_exit_2(capsys):

@@ -114,7 +114,7 @@ def test_bad_input_ipv6_zone_ids(host: str, record_property: Any) -> None:
 @pytest.mark.parametrize("endpoint", ["[fe80::1%eth0]:6379", "[fe80::1%25]:6379"])
 def test_bad_input_ipv6_zone_ids_in_rdzv_endpoint(endpoint: str, record_property: Any) -> None:
     """``rdzv-run --rdzv-endpoint``: the same rule; the error names the option."""
-    from rdzv_agent.cli import backend_url
+    from rdzv_agent.launch_config import backend_url
 
     exc, seconds = timed_error(lambda: backend_url("redis", endpoint, "job"))
     record(record_property, f"--rdzv-endpoint {endpoint}", seconds)
@@ -125,10 +125,10 @@ def test_bad_input_ipv6_zone_ids_in_rdzv_endpoint(endpoint: str, record_property
 def test_bad_input_an_empty_rdzv_id_is_named_empty(record_property: Any) -> None:
     """``--rdzv-id ""`` with the other two torchrun-style options: the error names the option and says it is
     empty (it said the three options go together, which they were; found by a new user)."""
-    from rdzv_agent import cli
+    from rdzv_agent import launch_args, launch_config
 
     argv = ["--rdzv-backend", "redis", "--rdzv-endpoint", "127.0.0.1:6379", "--rdzv-id", "", "train.py"]
-    exc, seconds = timed_error(lambda: cli.build_config(cli.parse_args(argv), {}))
+    exc, seconds = timed_error(lambda: launch_config.build_config(launch_args.parse_args(argv), {}))
     record(record_property, "--rdzv-id ''", seconds)
     assert isinstance(exc, ConfigError) and (exc.field, exc.value, exc.reason) == ("--rdzv-id", "", "empty")
 

@@ -246,17 +246,6 @@ def test_backends_shows_default_ports_and_server_endpoints() -> None:
     assert redis_row[3:6] == ["6379", "yes", "one"], redis_row
 
 
-def test_the_former_module_name_is_the_same_module() -> None:
-    """``rdzv_core.cli`` (the module's former name) is :mod:`rdzv_core.admin_cli`, also run with ``-m``."""
-    import rdzv_core.admin_cli
-    import rdzv_core.cli
-
-    assert rdzv_core.cli is rdzv_core.admin_cli
-    out = subprocess.run([sys.executable, "-m", "rdzv_core.cli", "backends", "--json"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0 and "memory" in json.loads(out.stdout), out.stderr
-
-
 def test_runs_lists_open_and_closed_runs_with_age(tmp_path) -> None:
     base = f"file://{tmp_path}/"
     kv = open_backend(base)

@@ -46,7 +46,7 @@ CASES: dict[str, Case] = {
                "test_protocol.py::test_concurrent_cas_has_one_winner",
                "test_protocol.py::test_compare_and_delete", "test_protocol.py::test_put_get_roundtrip"),
         fail={
-            "test_cas_stale_revision_fails": "compare_and_swap with a stale revision must raise CompareFailed",
+            "test_cas_stale_revision_fails": "compare_and_swap with a stale revision must raise CompareFailedError",
             "test_concurrent_cas_has_one_winner": "compare_and_swap must be atomic",
         },
     ),

@@ -5,7 +5,7 @@ The shared contract is checked by the conformance suite
 here are the etcd-only behaviours: v2 disabled on the server, v2's 1,000-event
 history and v3 compaction, a killed / paused / restarted server, multi-endpoint
 failover, one lease per key, auth, TLS, the URL settings, storage written by
-other programs (``CorruptEntry``), ``add`` under contention, and what a wrong
+other programs (``CorruptEntryError``), ``add`` under contention, and what a wrong
 port looks like (one error, no third-party log lines).
 
 Every test that stops or pauses a server starts its own; servers are stopped
@@ -35,16 +35,16 @@ from rdzv_backends._etcd.settings import ttl_seconds
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
-    CorruptEntry,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CorruptEntryError,
     EventType,
-    HistoryCompacted,
+    HistoryCompactedError,
     InvalidURLError,
-    KeyNotFound,
+    KeyNotFoundError,
     KVBackend,
     KVError,
-    ValueTooLarge,
+    ValueTooLargeError,
     list_backends,
     open_backend,
 )
@@ -120,7 +120,7 @@ def test_v2_index_cleared_is_history_compacted(etcd: EtcdServer, opener: Callabl
     _, start_index = kv.list("cleared/")
     for i in range(1100):  # etcd keeps the last 1,000 v2 events
         kv.put("cleared/k", str(i).encode())
-    with pytest.raises(HistoryCompacted):
+    with pytest.raises(HistoryCompactedError):
         kv.watch("cleared/", start_index, 5.0)
     assert wait_for_change(kv, "cleared/", start_index, time.monotonic() + 5.0) is True
     entries, index = kv.list("cleared/")  # the documented recovery: re-read, watch from there
@@ -187,7 +187,7 @@ def test_v3_compaction_is_history_compacted(etcd: EtcdServer, opener: Callable[[
         capture_output=True, text=True, timeout=30,
     )
     assert compact.returncode == 0, compact.stderr
-    with pytest.raises(HistoryCompacted):
+    with pytest.raises(HistoryCompactedError):
         kv.watch("compact/", first.revision, 5.0)
     assert kv.watch("compact/", last.revision - 1, 5.0)[0].revision == last.revision
 
@@ -228,13 +228,13 @@ def test_paused_server_times_out_within_operation_timeout(
     try:
         for call in (lambda: kv.get("p/k"), lambda: kv.put("p/k", b"w")):
             error, elapsed = timed(call)
-            assert isinstance(error, BackendTimeout), repr(error)
+            assert isinstance(error, BackendTimeoutError), repr(error)
             assert OP_TIMEOUT * 0.8 <= elapsed <= OP_TIMEOUT + SLACK, f"took {elapsed:.1f}s"
         # A silent server looks quiet to a watch, or unreachable to one whose stream must first connect (etcd-v3
         # opens watch streams on a channel of their own: its HTTP/2 handshake can fail first): the protocol's
-        # contract, as conformance_tests/test_faults.py has it -- [] or BackendUnavailable, never a hang.
+        # contract, as conformance_tests/test_faults.py has it -- [] or BackendUnavailableError, never a hang.
         error, elapsed = timed(lambda: kv.watch("p/", 10**9, 1.0))
-        assert (error is None or isinstance(error, BackendUnavailable)) and elapsed <= 1.0 + SLACK, repr(error)
+        assert (error is None or isinstance(error, BackendUnavailableError)) and elapsed <= 1.0 + SLACK, repr(error)
     finally:
         own_etcd.resume()
     assert kv.get("p/k").value in (b"v", b"w") and kv.get("p/k").revision >= entry.revision
@@ -251,7 +251,7 @@ def test_server_lost_during_a_watch(scheme: str, own_etcd: EtcdServer, opener: C
         started.set()
         try:
             outcome.append(kv.watch("w/", revision, 120.0))
-        except BackendUnavailable as exc:
+        except BackendUnavailableError as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=watch)
@@ -318,8 +318,8 @@ def test_guarded_write_applied_but_answer_lost(
     resets the connection before the answer passes, and lets the retry through. The retry
     meets the write's own result: ``create`` (with and without TTL) and ``compare_and_swap``
     report success with the stored entry; ``add`` and ``compare_and_delete``, which cannot tell
-    their own result from another writer's, either succeed or raise ``BackendTimeout``
-    (never ``CompareFailed``/``KeyNotFound``), and nothing is applied twice.
+    their own result from another writer's, either succeed or raise ``BackendTimeoutError``
+    (never ``CompareFailedError``/``KeyNotFoundError``), and nothing is applied twice.
     """
     import uuid
 
@@ -364,9 +364,9 @@ def test_guarded_write_applied_but_answer_lost(
     assert outcome["new"] == direct.get(base + "new") and direct.get(base + "new").value == b"mine", outcome
     assert outcome["lease"] == direct.get(base + "lease"), outcome
     assert outcome["cas"] == direct.get(base + "cas") and direct.get(base + "cas").value == b"new", outcome
-    assert outcome["n"] == 6 or isinstance(outcome["n"], BackendTimeout), outcome
+    assert outcome["n"] == 6 or isinstance(outcome["n"], BackendTimeoutError), outcome
     assert direct.get(base + "n").value == b"6", "add applied twice (or not at all)"
-    assert outcome["doomed"] is None or isinstance(outcome["doomed"], BackendTimeout), outcome
+    assert outcome["doomed"] is None or isinstance(outcome["doomed"], BackendTimeoutError), outcome
     assert direct.get(base + "doomed") is None
 
 
@@ -390,7 +390,7 @@ def test_attempts_get_a_third_of_the_deadline_doubling_after_a_timeout() -> None
     ("INVALID_ARGUMENT", "etcdserver: key is not provided", None),
 ])
 def test_v3_transport_failures_are_told_from_etcd_answers(code: str, details: str, failure: str | None) -> None:
-    """A status gRPC made up on the client is a transport failure (retried, then ``BackendUnavailable``);
+    """A status gRPC made up on the client is a transport failure (retried, then ``BackendUnavailableError``);
     a status etcd sent is its answer (``ServerError``)."""
     pytest.importorskip("grpc")
     import grpc
@@ -493,7 +493,7 @@ def test_refresh_after_expiry_is_key_not_found(
         e.type is EventType.DELETE for e in kv.watch(f"gone-{scheme}/", revision, 1.0)
     ):
         pass
-    with pytest.raises(KeyNotFound):
+    with pytest.raises(KeyNotFoundError):
         kv.refresh(f"gone-{scheme}/k", 5)
 
 
@@ -548,7 +548,7 @@ def test_v3_value_refused_by_a_smaller_server_limit_is_value_too_large(opener: C
             blob = b"x" * size
             for name, call in [("put", lambda: kv.put("big/k", blob)), ("create", lambda: kv.create("big/c", blob, 5)),
                                ("compare_and_swap", lambda: kv.compare_and_swap("big/kept", blob, kept.revision))]:
-                with pytest.raises(ValueTooLarge) as caught:
+                with pytest.raises(ValueTooLargeError) as caught:
                     call()
                 assert caught.value.key in ("big/k", "big/c", "big/kept"), name
                 assert str(size) in str(caught.value) and "1048576" in str(caught.value), str(caught.value)
@@ -755,7 +755,7 @@ def test_failure_budget_starts_at_first_failure() -> None:
     assert short.remaining() <= 0.5
 
 
-# -- storage written by other programs: CorruptEntry ---------------------------------------
+# -- storage written by other programs: CorruptEntryError ---------------------------------------
 def _v2_raw(server: EtcdServer, method: str, node_path: str, **params: str) -> int:
     """Send a raw v2 request (``node_path`` unquoted, e.g. ``/a/b/!c``); return the HTTP status."""
     import urllib.error
@@ -791,7 +791,7 @@ def _every_operation(kv: KVBackend, key: str, prefix: str) -> list[tuple[str, Ca
 
 def _assert_corrupt(name: str, call: Callable[[], object], key: str) -> None:
     error, elapsed = timed(call)
-    assert isinstance(error, CorruptEntry), f"{name}: {error!r}"
+    assert isinstance(error, CorruptEntryError), f"{name}: {error!r}"
     assert error.key == key, f"{name} named {error.key!r}, not {key!r}"
     assert elapsed <= OP_TIMEOUT + SLACK, f"{name} took {elapsed:.1f}s: a corrupt key must fail at once"
 
@@ -890,7 +890,7 @@ def test_v2_value_node_on_the_path_of_a_key(etcd: EtcdServer, opener: Callable[[
 
 
 def test_v2_reset_clears_a_directory_at_a_rendezvous_key(etcd: EtcdServer) -> None:
-    from rdzv_core.cli import main
+    from rdzv_core.admin_cli import main
 
     run_id = "corruptv2"
     root = f"/torchelastic/p2p/run_{run_id}"
@@ -898,7 +898,7 @@ def test_v2_reset_clears_a_directory_at_a_rendezvous_key(etcd: EtcdServer) -> No
     assert _v2_raw(etcd, "PUT", f"{root}/v_1/!joined", dir="true") == 201
     url = f"etcd-v2://{etcd.address}/{run_id}?operation_timeout={OP_TIMEOUT}"
     with open_backend(url) as kv:
-        with pytest.raises(CorruptEntry):
+        with pytest.raises(CorruptEntryError):
             kv.get(f"torchelastic/p2p/run_{run_id}/state/round")
     assert main(["reset", url, "--yes"]) == 0
     with open_backend(url) as kv:
@@ -909,7 +909,7 @@ def test_v2_reset_clears_a_directory_at_a_rendezvous_key(etcd: EtcdServer) -> No
 def test_non_decimal_counter_is_corrupt_also_when_add_saw_it_before(
     scheme: str, etcd: EtcdServer, opener: Callable[[str], KVBackend]
 ) -> None:
-    """``add`` on a counter another program overwrote with text: CorruptEntry, nothing written, delete works.
+    """``add`` on a counter another program overwrote with text: CorruptEntryError, nothing written, delete works.
 
     The backend has added to the key before (so it remembers the counter's
     old state); the garbage is planted behind its back with a raw client.
@@ -1022,7 +1022,7 @@ def test_add_combiner_batches_waiters_and_shares_errors() -> None:
         entered.set()
         release.wait(10)
         if total >= 1000:
-            raise CorruptEntry("planted failure", "k")
+            raise CorruptEntryError("planted failure", "k")
         applied.append(total)
         value[0] += total
         return value[0]
@@ -1062,7 +1062,7 @@ def test_add_combiner_batches_waiters_and_shares_errors() -> None:
     first = call("first", 1, 10.0)
     assert entered.wait(10)
     call("impatient", 7, 0.2).join(10)
-    assert isinstance(out["impatient"], BackendTimeout), out["impatient"]
+    assert isinstance(out["impatient"], BackendTimeoutError), out["impatient"]
     release.set()
     first.join(10)
     assert out["first"] == 1 and applied == [1], "the timed-out call must not be applied"
@@ -1073,7 +1073,7 @@ def test_add_combiner_batches_waiters_and_shares_errors() -> None:
 
     batch(1, {"x": 500, "y": 600})  # x and y are one batch of 1100: it fails for both
     assert out["leader"] == 17
-    assert all(isinstance(e := out[n], CorruptEntry) and e.key == "k" for n in "xy"), out
+    assert all(isinstance(e := out[n], CorruptEntryError) and e.key == "k" for n in "xy"), out
     assert out["x"] is not out["y"], "each thread raises its own exception object"
     assert value[0] == 17
 
@@ -1164,7 +1164,7 @@ def test_v3_refreshes_of_one_client_share_one_keep_alive_stream(own_etcd: EtcdSe
     assert all(25 < (kv.ttl_remaining(key) or 0) <= 30 for key in keys)
     other = opener(f"etcd-v3://{own_etcd.address}/")
     other.delete(keys[0])  # revokes the key's lease: the next keep-alive answers TTL 0
-    with pytest.raises(KeyNotFound):
+    with pytest.raises(KeyNotFoundError):
         kv.refresh(keys[0], 30)
     kv.refresh(keys[1], 30)  # the stream goes on serving the others
     assert _keepalive_streams_started(own_etcd) - before == 1
@@ -1318,7 +1318,7 @@ def test_read_coalescer_answers_each_call_with_a_request_sent_after_it() -> None
         return 0
 
     def failing() -> int:
-        raise BackendTimeout("no answer")
+        raise BackendTimeoutError("no answer")
 
     leader = _in_thread(lambda: reads.read("k", Deadline(30), slow))
     assert in_flight.wait(10)
@@ -1327,7 +1327,7 @@ def test_read_coalescer_answers_each_call_with_a_request_sent_after_it() -> None
     gate.set()
     assert leader.result(10) == 0
     errors = [g.exception(10) for g in group]
-    assert all(isinstance(e, BackendTimeout) for e in errors) and len({id(e) for e in errors}) == 5
+    assert all(isinstance(e, BackendTimeoutError) for e in errors) and len({id(e) for e in errors}) == 5
 
 
 def test_v3_concurrent_reads_see_every_write_that_completed_before_them(
@@ -1446,17 +1446,13 @@ def test_v3_open_watch_streams_start_no_threads(own_etcd: EtcdServer) -> None:
     assert extra <= 12, f"{extra} threads beyond the {n} waiting callers while {n} watch streams were open"
 
 
-def test_old_import_paths_keep_working() -> None:
-    """``rdzv_backends.etcd_v2.EtcdV2Backend``, ``rdzv_backends.etcd_v3.EtcdV3Backend`` (lazy, PEP 562) and the
-    names of the former ``rdzv_backends._etcd_common``."""
-    import rdzv_backends._etcd_common as common
+def test_the_backend_classes_import_from_their_packages() -> None:
+    """``rdzv_backends.etcd_v2.EtcdV2Backend`` and ``rdzv_backends.etcd_v3.EtcdV3Backend`` (lazy, PEP 562)."""
     from rdzv_backends.etcd_v2 import POOL_CONNECTIONS, EtcdV2Backend
     from rdzv_backends.etcd_v3 import REFRESH_CONCURRENCY, EtcdV3Backend
 
     assert issubclass(EtcdV2Backend, KVBackend) and issubclass(EtcdV3Backend, KVBackend)
     assert POOL_CONNECTIONS == 1024 and REFRESH_CONCURRENCY == 32
-    assert all(getattr(common, name) is not None for name in common.__all__)
-    assert common.AddCombiner is AddCombiner and common.Deadline is Deadline
     assert list_backends()["etcd-v2"].spec.capabilities == EtcdV2Backend.capabilities
     assert list_backends()["etcd-v3"].spec.capabilities == EtcdV3Backend.capabilities
 
@@ -1496,10 +1492,10 @@ def test_v2_a_ticket_whose_answer_was_lost_is_found_by_its_token_not_taken_twice
 def test_v3_a_ticket_whose_answer_was_lost_is_not_taken_twice(etcd: EtcdServer,
                                                               opener: Callable[[str], KVBackend]) -> None:
     """The Put reaches etcd and the answer is lost (deadline exceeded): the backend must not send it
-    again (two tickets) but say the outcome is unknown (BackendTimeout); the count stays one per Put."""
+    again (two tickets) but say the outcome is unknown (BackendTimeoutError); the count stays one per Put."""
     import grpc
 
-    from rdzv_core.errors import BackendTimeout
+    from rdzv_core.errors import BackendTimeoutError
 
     kv = opener(f"etcd-v3://{etcd.address}/?operation_timeout={OP_TIMEOUT}")
     key = f"lost-ticket-{time.monotonic_ns()}/t"
@@ -1527,7 +1523,7 @@ def test_v3_a_ticket_whose_answer_was_lost_is_not_taken_twice(etcd: EtcdServer,
 
     for ep in kv._net.eps:  # type: ignore[attr-defined]
         ep.kv = LoseAnswers(ep.kv)
-    with pytest.raises(BackendTimeout):
+    with pytest.raises(BackendTimeoutError):
         kv.take_ticket(key)
     assert len(puts) == 1, f"the Put was sent again: {len(puts)} times"
     assert kv.tickets(key) == 2, "one Put, one ticket"

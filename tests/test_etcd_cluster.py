@@ -259,7 +259,7 @@ def _deletes_under(kv: KVBackend, prefix: str, after: int, until: float) -> list
 def test_a_member_left_alone_gives_no_stale_read(scheme: str, cluster: EtcdCluster, leader: EtcdMember) -> None:
     """A follower misses a write (paused), then resumes while the other two are paused: it holds an old value
     and no quorum. A client of that member alone must not be answered from its copy: the read fails with
-    ``BackendUnavailable`` (a linearizable read needs a quorum). Before the fix, etcd v2 answered the old value
+    ``BackendUnavailableError`` (a linearizable read needs a quorum). Before the fix, etcd v2 answered the old value
     (a GET without ``quorum=true`` is served from the member's own store): an agent read a round from before
     a partition as the current one and restarted a training job for nothing (multi-host scenario 4)."""
     from rdzv_core import BackendUnavailableError, open_backend

@@ -55,7 +55,7 @@ import pytest
 from fault_agents import AgentGroup, AgentProcess
 from rdzv_core import (
     Rendezvous,
-    RendezvousClosed,
+    RendezvousClosedError,
     RendezvousParams,
     list_backends,
     open_backend,
@@ -222,7 +222,7 @@ def test_confirming_member_survives_the_round_being_replaced(replacement: str) -
     Deterministic form of what the matrix hits when a frozen round lapses: the round
     record is replaced by the next round's setup record (as a survivor that noticed
     the expiry first writes it) or the run is closed (``rdzv close``). Expected: the
-    member retries and, the run being closed, raises ``RendezvousClosed``.
+    member retries and, the run being closed, raises ``RendezvousClosedError``.
     """
     run_id = f"keyerror{uuid.uuid4().hex[:8]}"
     with open_backend("memory://fault-matrix/") as kv:
@@ -248,7 +248,7 @@ def test_confirming_member_survives_the_round_being_replaced(replacement: str) -
         thread.join(15)
         member.leave()
     assert outcome, "next_round did not return"
-    if not isinstance(outcome[0], RendezvousClosed):
+    if not isinstance(outcome[0], RendezvousClosedError):
         raise outcome[0]
 
 

@@ -27,12 +27,12 @@ import pytest
 from rdzv_backends.file import DB_NAME, HISTORY_LIMIT, POLLER_LINGER, FileBackend
 from rdzv_backends.file._sql import map_error
 from rdzv_core import (
-    BackendClosed,
-    BackendTimeout,
-    CorruptEntry,
+    BackendClosedError,
+    BackendTimeoutError,
+    CorruptEntryError,
     Event,
     EventType,
-    HistoryCompacted,
+    HistoryCompactedError,
     InvalidURLError,
     open_backend,
 )
@@ -107,9 +107,9 @@ def test_localhost_and_operation_timeout_accepted(tmp_path: Path) -> None:
 
 
 def test_not_a_database(tmp_path: Path) -> None:
-    """Garbage bytes: CorruptEntry (not BackendUnavailable, which callers retry) naming the file."""
+    """Garbage bytes: CorruptEntryError (not BackendUnavailableError, which callers retry) naming the file."""
     (tmp_path / DB_NAME).write_bytes(b"this is not an sqlite file at all, " * 100)
-    with pytest.raises(CorruptEntry, match="not a database") as info:
+    with pytest.raises(CorruptEntryError, match="not a database") as info:
         open_backend(url(tmp_path))
     assert info.value.key is None and str(tmp_path / DB_NAME) in str(info.value)
 
@@ -120,7 +120,7 @@ def test_opening_a_fresh_file_waits_for_another_connections_first_write(
 ) -> None:
     """A new, empty store file is in rollback-journal mode, and an open whose
     switch to WAL met another connection's first write (its RESERVED lock, as another opener's
-    switch holds it) raised BackendTimeout at once: SQLite skips the busy handler there. The open
+    switch holds it) raised BackendTimeoutError at once: SQLite skips the busy handler there. The open
     now waits for it, for up to ``operation_timeout``, and only then says the file stayed locked."""
     raw = sqlite3.connect(tmp_path / DB_NAME, isolation_level=None, check_same_thread=False)
     raw.execute("BEGIN IMMEDIATE")
@@ -133,7 +133,7 @@ def test_opening_a_fresh_file_waits_for_another_connections_first_write(
                 assert hold - 0.1 <= time.monotonic() - started < timeout
                 assert kv.put("k", b"v").revision == 1
         else:
-            with pytest.raises(BackendTimeout, match=f"stayed locked for more than operation_timeout={timeout}s"):
+            with pytest.raises(BackendTimeoutError, match=f"stayed locked for more than operation_timeout={timeout}s"):
                 open_backend(url(tmp_path, query=f"operation_timeout={timeout}"))
             assert timeout - 0.1 <= time.monotonic() - started < hold
     finally:
@@ -145,7 +145,7 @@ def test_a_busy_error_that_did_not_wait_says_so() -> None:
     """SQLite can answer SQLITE_BUSY without waiting (it skips the busy handler where the wait
     could deadlock): the message then gives the time it took, not a wait it never made."""
     exc = map_error(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 0.002)
-    assert isinstance(exc, BackendTimeout) and "gave up after 0.002s" in str(exc)
+    assert isinstance(exc, BackendTimeoutError) and "gave up after 0.002s" in str(exc)
     assert "stayed locked" not in str(exc)
     slow = map_error(sqlite3.OperationalError("database is locked"), "/x/rdzv.sqlite3", 30.0, 30.1)
     assert "stayed locked for more than operation_timeout=30.0s" in str(slow)
@@ -203,7 +203,7 @@ def test_kill_9_while_holding_the_write_lock(tmp_path: Path) -> None:
             assert read_line(proc) == "holding"
             assert kv.get("crash/before") is not None, "readers must not wait for a writer (WAL)"
             started = time.monotonic()
-            with pytest.raises(BackendTimeout):
+            with pytest.raises(BackendTimeoutError):
                 kv.put("crash/blocked", b"x")
             assert 0.25 <= time.monotonic() - started < 5.0
         finally:
@@ -264,7 +264,7 @@ def test_write_lock_held_by_another_thread_times_out(tmp_path: Path) -> None:
     thread.start()
     try:
         assert holding.wait(PATIENCE)
-        with pytest.raises(BackendTimeout):
+        with pytest.raises(BackendTimeoutError):
             waiter.put("k", b"x")
     finally:
         release.set()
@@ -308,7 +308,7 @@ def test_history_limit_is_exact(tmp_path: Path) -> None:
         events = kv.watch("h/", start, 0)
         assert events and events[0].revision == start + 1
         kv.put("h/k", b"one more")
-        with pytest.raises(HistoryCompacted):
+        with pytest.raises(HistoryCompactedError):
             kv.watch("h/", start, 0)
         assert kv.watch("h/", start + 1, 0)[0].revision == start + 2
 
@@ -346,10 +346,10 @@ def plant(directory: Path, sql: str, *args: object) -> None:
     raw.close()
 
 
-def assert_corrupt(call: object, key: str | None) -> CorruptEntry:
-    with pytest.raises(CorruptEntry) as info:
+def assert_corrupt(call: object, key: str | None) -> CorruptEntryError:
+    with pytest.raises(CorruptEntryError) as info:
         call()  # type: ignore[operator]
-    assert info.value.key == key, f"CorruptEntry must name {key!r}, named {info.value.key!r}: {info.value}"
+    assert info.value.key == key, f"CorruptEntryError must name {key!r}, named {info.value.key!r}: {info.value}"
     return info.value
 
 
@@ -443,7 +443,7 @@ def test_corrupt_bookkeeping_names_the_file(tmp_path: Path) -> None:
         for call in (lambda: kv.get("k"), lambda: kv.put("k", b"w"), lambda: kv.watch("", 0, 0)):
             error = assert_corrupt(call, None)
             assert "meta.revision" in str(error) and str(tmp_path / DB_NAME) in str(error)
-    with pytest.raises(CorruptEntry, match="meta.revision"):
+    with pytest.raises(CorruptEntryError, match="meta.revision"):
         FileBackend(str(tmp_path))
 
 
@@ -456,7 +456,7 @@ def test_foreign_event_row_fails_only_the_watches_it_concerns(tmp_path: Path) ->
         def watch(prefix: str) -> None:
             try:
                 results[prefix] = kv.watch(prefix, start, PATIENCE)
-            except CorruptEntry as exc:
+            except CorruptEntryError as exc:
                 results[prefix] = exc
 
         threads = {p: threading.Thread(target=watch, args=(p,)) for p in ("p/", "q/")}
@@ -470,7 +470,7 @@ def test_foreign_event_row_fails_only_the_watches_it_concerns(tmp_path: Path) ->
             raw.execute("COMMIT")
         raw.close()
         threads["p/"].join(PATIENCE)
-        assert isinstance(results.get("p/"), CorruptEntry), results
+        assert isinstance(results.get("p/"), CorruptEntryError), results
         assert results["p/"].key is None and "events.revision = " in str(results["p/"])
         assert threads["q/"].is_alive(), "the watch on q/ must not be woken by p/x"
         entry = kv.put("q/y", b"v")
@@ -554,7 +554,7 @@ def test_close_ends_only_its_own_watches(tmp_path: Path) -> None:
     def watch(name: str, kv: FileBackend) -> None:
         try:
             results[name] = kv.watch("c/", start, PATIENCE)
-        except BackendClosed as exc:
+        except BackendClosedError as exc:
             results[name] = exc
 
     threads = {n: threading.Thread(target=watch, args=(n, kv)) for n, kv in (("mine", mine), ("other", other))}
@@ -563,7 +563,7 @@ def test_close_ends_only_its_own_watches(tmp_path: Path) -> None:
     wait_for_poller_watches(2)
     mine.close()
     threads["mine"].join(PATIENCE)
-    assert results["mine"] == [] or isinstance(results["mine"], BackendClosed)
+    assert results["mine"] == [] or isinstance(results["mine"], BackendClosedError)
     assert threads["other"].is_alive()
     entry = other.put("c/k", b"v")
     threads["other"].join(PATIENCE)

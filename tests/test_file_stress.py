@@ -15,7 +15,7 @@ one barrier on a new directory, and each process opens the store, joins a 2-node
 outcome does not depend on timing: every process must open, join and see its partner,
 none may raise, all within a deadline far above the time the work takes (a fraction of
 a second). Before the fix the default test (8 processes, 100 repetitions) failed in
-10 runs of 10 (at repetition 1 to 41), each time with an instant ``BackendTimeout``
+10 runs of 10 (at repetition 1 to 41), each time with an instant ``BackendTimeoutError``
 from the WAL switch.
 """
 

@@ -18,7 +18,7 @@ import uuid
 import pytest
 
 from rdzv_backends.memory import MemoryBackend
-from rdzv_core import BackendClosed, Event, EventType
+from rdzv_core import BackendClosedError, Event, EventType
 
 PATIENCE = 30.0
 TTL_SLACK = MemoryBackend.capabilities.ttl_resolution + 1.0  # scheduling on a loaded 2-core machine
@@ -88,7 +88,7 @@ def test_close_ends_only_its_own_watches(name: str) -> None:
     wait_registered(mine, 2)
     mine.close()
     w_mine.join(PATIENCE)
-    assert w_mine.result == [] or isinstance(w_mine.result, BackendClosed)
+    assert w_mine.result == [] or isinstance(w_mine.result, BackendClosedError)
     assert w_other.is_alive()
     entry = other.put("c/k", b"v")
     w_other.join(PATIENCE)

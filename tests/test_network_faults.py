@@ -11,9 +11,9 @@ forwarded) and ``slow``. The server itself never fails. Clients are opened with
 Expected, per test:
 
 * black hole: every KV operation (and opening a client) raises a
-  ``BackendUnavailable`` subclass within :data:`LIMIT` seconds -- about one
+  ``BackendUnavailableError`` subclass within :data:`LIMIT` seconds -- about one
   ``operation_timeout``, not a multiple of it -- and a watch returns ``[]`` or
-  raises ``BackendUnavailable`` within ``watch timeout + LIMIT``;
+  raises ``BackendUnavailableError`` within ``watch timeout + LIMIT``;
 * drop: every operation raises ``BackendConnectionError`` within :data:`LIMIT`
   (an etcd client tries the endpoint again until ``operation_timeout``; Redis fails at once);
 * a :class:`~rdzv_core.keepalive.KeepAlive` outlives a 2 s black hole shorter than
@@ -40,8 +40,8 @@ from conformance_tests.test_rendezvous import Agent, Hooked, round_of
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
+    BackendTimeoutError,
+    BackendUnavailableError,
     EventType,
     KVBackend,
     RendezvousParams,
@@ -56,7 +56,7 @@ OP_TIMEOUT = 1.0  #: operation_timeout of every proxied client (seconds)
 LIMIT = OP_TIMEOUT + 2.0
 MARGIN = 3.0  #: scheduling slack (seconds) on top of bounds derived from TTLs
 SCHEMES = ["redis", "etcd-v3", "etcd-v2"]
-SETUP_OPENS = 3  #: opens of one proxied client in ``pass`` mode before a ``BackendTimeout`` fails the test
+SETUP_OPENS = 3  #: opens of one proxied client in ``pass`` mode before a ``BackendTimeoutError`` fails the test
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -83,7 +83,7 @@ def clients(scheme: str, server: Any, proxy: TCPProxy) -> Iterator[Callable[...,
     """``clients(direct=False)`` -> a new client through the proxy (or straight to the server); all closed after.
 
     Opening a client probes the server within one ``operation_timeout`` (1 s here). An open through the
-    proxy in ``pass`` mode that raises ``BackendTimeout`` met a machine too loaded to finish the probe in
+    proxy in ``pass`` mode that raises ``BackendTimeoutError`` met a machine too loaded to finish the probe in
     1 s (CI saw it once at a load of 9 on 2 cores): that is setup, not what these tests judge, so it is
     opened again, at most :data:`SETUP_OPENS` times in all. An open under a fault is never tried again.
     """
@@ -98,7 +98,7 @@ def clients(scheme: str, server: Any, proxy: TCPProxy) -> Iterator[Callable[...,
                 in_pass = proxy.mode is Mode.PASS
                 try:
                     return open_(direct)
-                except BackendTimeout:
+                except BackendTimeoutError:
                     if direct or not in_pass or proxy.mode is not Mode.PASS or attempt >= SETUP_OPENS:
                         raise
                 attempt += 1
@@ -170,7 +170,7 @@ def _judge(outcomes: dict[str, tuple[float, Any]], expected: type[BaseException]
 # -- tests ------------------------------------------------------------------------------------
 def test_black_hole_fails_each_operation_within_one_operation_timeout(
         scheme: str, proxy: TCPProxy, clients, prefix: str, record_property) -> None:
-    """Black hole: each operation raises ``BackendUnavailable`` (usually ``BackendTimeout``) in about 1 s."""
+    """Black hole: each operation raises ``BackendUnavailableError`` (usually ``BackendTimeoutError``) in about 1 s."""
     calls = _operations(clients, prefix, scheme)
     watcher = clients()
     after = watcher.list(prefix)[1]
@@ -178,13 +178,13 @@ def test_black_hole_fails_each_operation_within_one_operation_timeout(
     proxy.set_mode(Mode.BLACKHOLE)
     outcomes = _timed_in_threads(calls, join=OP_TIMEOUT + LIMIT + 5)
     watch_elapsed, watch_result = outcomes.pop("watch", (None, None))
-    problems = _judge(outcomes, BackendUnavailable, [n for n in calls if n != "watch"], record_property)
+    problems = _judge(outcomes, BackendUnavailableError, [n for n in calls if n != "watch"], record_property)
     if watch_elapsed is None:
         problems.append("watch: no outcome (hung?)")
     else:
         record_property("watch_s", round(watch_elapsed, 2))
-        if not (watch_result == [] or isinstance(watch_result, BackendUnavailable)):
-            problems.append(f"watch: {watch_result!r}, expected [] or BackendUnavailable")
+        if not (watch_result == [] or isinstance(watch_result, BackendUnavailableError)):
+            problems.append(f"watch: {watch_result!r}, expected [] or BackendUnavailableError")
         if watch_elapsed > OP_TIMEOUT + LIMIT:
             problems.append(f"watch: took {watch_elapsed:.2f} s (limit {OP_TIMEOUT + LIMIT} s)")
     assert not problems, "\n".join(problems)
@@ -267,15 +267,16 @@ def test_next_rendezvous_succeeds_once_the_network_is_back(
         record_property("recovery_s", round(time.monotonic() - healed, 2))
     finally:
         for m in members:
-            m.kv.close()  # ends a failed test's agent at once (BackendClosed)
+            m.kv.close()  # ends a failed test's agent at once (BackendClosedError)
     assert second[0].version > first[0].version
 
 
 def test_a_round_that_times_out_after_an_outage_ended_raises_the_timeout(
         scheme: str, proxy: TCPProxy, clients, record_property) -> None:
     """A lone node (min_nodes 2) starts into a 1.5 s drop, then the network is back but no peer comes:
-    ``next_round`` raises ``RendezvousTimeout`` at its deadline, not the outage's stale ``BackendUnavailable``."""
-    from rdzv_core import Rendezvous, RendezvousTimeout
+    ``next_round`` raises ``RendezvousTimeoutError`` at its deadline, not the outage's stale
+    ``BackendUnavailableError``."""
+    from rdzv_core import Rendezvous, RendezvousTimeoutError
 
     timeout = 5.0
     params = RendezvousParams(min_nodes=2, max_nodes=2, keep_alive_ttl=1.0, timeout=timeout)
@@ -297,7 +298,7 @@ def test_a_round_that_times_out_after_an_outage_ended_raises_the_timeout(
     thread.join(timeout + LIMIT + MARGIN)
     record_property("ended_s", round(time.monotonic() - t0, 2))
     assert not thread.is_alive(), "next_round outlived its timeout"
-    assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeout), outcome
+    assert len(outcome) == 1 and isinstance(outcome[0], RendezvousTimeoutError), outcome
 
 
 def test_a_node_interrupted_while_waiting_keeps_its_ticket(
@@ -459,7 +460,7 @@ def test_store_calls_into_a_black_hole_end_within_the_store_timeout(
         scheme: str, proxy: TCPProxy, prefix: str, record_property) -> None:
     """A black-holed backend, clients with the default 10 s operation_timeout, Stores with a 1 s timeout:
     every Store call ends within 1 s + STORE_MARGIN with torch's ``DistStoreError`` (its cause the
-    backend's ``BackendTimeout``): code written for TCPStore catches it. Before: 10 s, ``BackendTimeout``."""
+    backend's ``BackendTimeoutError``): code written for TCPStore catches it. Before: 10 s, ``BackendTimeoutError``."""
     _store_calls_end_in_time(scheme, proxy, prefix, Mode.BLACKHOLE, record_property)
 
 
@@ -487,11 +488,11 @@ def _store_calls_end_in_time(scheme: str, proxy: TCPProxy, prefix: str, mode: Mo
         if elapsed > STORE_TIMEOUT + STORE_MARGIN:
             problems.append(f"{name}: took {elapsed:.2f} s")
         if mode is Mode.BLACKHOLE:  # and it does not blame the 10 s operation_timeout for what the 1 s deadline cut
-            good = isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendUnavailable) \
+            good = isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendUnavailableError) \
                 and "operation_timeout=10" not in str(result)
         else:  # a refused reconnect is a network error; an attempt cut by the deadline may time out
-            good = (isinstance(result, dist.DistNetworkError) and isinstance(result.__cause__, BackendUnavailable)
-                    or isinstance(result, dist.DistStoreError) and isinstance(result.__cause__, BackendUnavailable))
+            good = (isinstance(result, (dist.DistNetworkError, dist.DistStoreError))
+                    and isinstance(result.__cause__, BackendUnavailableError))
         if not good:
             problems.append(f"{name}: {result!r} (cause {getattr(result, '__cause__', None)!r})")
     assert not problems, "\n".join(problems)
@@ -540,5 +541,5 @@ def test_next_rendezvous_into_a_black_hole_raises_torchs_connection_error(
         proxy.set_mode(Mode.PASS)
         handler.shutdown()
     record_property("raised_after_s", round(elapsed, 2))
-    assert isinstance(caught.value.__cause__, BackendUnavailable)
+    assert isinstance(caught.value.__cause__, BackendUnavailableError)
     assert elapsed <= timeout + LIMIT

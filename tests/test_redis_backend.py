@@ -21,15 +21,15 @@ from rdzv_backends.redis import CAPABILITIES, MAX_VALUE_BYTES, namespace_prefix
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
-    CompareFailed,
-    CorruptEntry,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CompareFailedError,
+    CorruptEntryError,
     Event,
     EventType,
-    HistoryCompacted,
+    HistoryCompactedError,
     InvalidURLError,
-    KeyNotFound,
+    KeyNotFoundError,
     KVBackend,
     KVError,
     escape_segment,
@@ -229,7 +229,7 @@ def test_add_reads_decimal_values_like_parse_counter(server: RedisServer, opened
         assert kv.get(prefix + "k").value == str(parse_counter("k", raw) + 1).encode()
     for raw in [b"", b"1.5", b"0x10", b"+7", b" 7", b"1_0", b"--1", b"one", b"\xff", b"1" * 31]:
         kv.put(prefix + "k", raw)
-        with pytest.raises(CorruptEntry) as info:
+        with pytest.raises(CorruptEntryError) as info:
             kv.add(prefix + "k", 1)
         assert info.value.key == prefix + "k"
         assert kv.get(prefix + "k").value == raw  # untouched
@@ -376,7 +376,7 @@ def test_refresh_extends_server_ttl_without_event(server: RedisServer, opened: C
     assert 1_000 < raw(server, "PTTL", "rdzv:k/" + prefix + "k") <= 60_000
     assert kv.watch(prefix, entry.revision, 0) == []
     kv.delete(prefix + "k")
-    with pytest.raises(KeyNotFound):
+    with pytest.raises(KeyNotFoundError):
         kv.refresh(prefix + "k", 1)
 
 
@@ -430,7 +430,7 @@ def snapshot(server: RedisServer, ns: str) -> dict[str, Any]:
 @pytest.mark.parametrize("plant", sorted(DATA_PLANTS))
 def test_wrong_data_at_a_key_is_corrupt_entry_and_delete_recovers(server: RedisServer, fresh: tuple[KVBackend, str],
                                                                    plant: str, indexed: bool) -> None:
-    """Every operation meeting it raises CorruptEntry naming the key and writes nothing; delete clears it."""
+    """Every operation meeting it raises CorruptEntryError naming the key and writes nothing; delete clears it."""
     kv, ns = fresh
     key = "run/state/round"
     if indexed:  # a key this backend wrote, then overwritten by another tool
@@ -439,12 +439,12 @@ def test_wrong_data_at_a_key_is_corrupt_entry_and_delete_recovers(server: RedisS
     raw(server, DATA_PLANTS[plant][0], ns + "k/" + key, *DATA_PLANTS[plant][1:])
     before = snapshot(server, ns)
     for name, op in key_ops(kv, key).items():
-        with pytest.raises(CorruptEntry) as info:
+        with pytest.raises(CorruptEntryError) as info:
             op()
         assert info.value.key == key, name
         assert snapshot(server, ns) == before, f"{name} wrote something"
     if indexed:  # list meets it too (unindexed, list does not see it at all)
-        with pytest.raises(CorruptEntry) as info:
+        with pytest.raises(CorruptEntryError) as info:
             kv.list("run/")
         assert info.value.key == key
     else:
@@ -471,15 +471,15 @@ def test_reset_style_cleanup_deletes_every_corrupt_key(server: RedisServer, fres
         try:
             entries, _ = kv.list("run/")
             break
-        except CorruptEntry as exc:
+        except CorruptEntryError as exc:
             assert exc.key not in named and exc.key is not None
             named.append(exc.key)
             assert kv.delete(exc.key)
     assert sorted(named) == keys[:3] and [e.key for e in entries] == [keys[3]]
 
 
-def run_advice(server: RedisServer, exc: CorruptEntry) -> None:
-    """Run the ``redis-cli`` command that ends the message of a bookkeeping CorruptEntry
+def run_advice(server: RedisServer, exc: CorruptEntryError) -> None:
+    """Run the ``redis-cli`` command that ends the message of a bookkeeping CorruptEntryError
     (``redis-cli ... --scan --pattern P | xargs redis-cli ... DEL`` for ``#keys``: the namespace goes)."""
     text = str(exc)
     if "--scan --pattern" in text:
@@ -517,7 +517,7 @@ BOOK_PLANTS: dict[str, tuple[list[tuple[str, ...]], tuple[str, ...]]] = {
 @pytest.mark.parametrize("plant", sorted(BOOK_PLANTS))
 def test_corrupt_bookkeeping_names_the_redis_key_and_its_removal_recovers(
         server: RedisServer, fresh: tuple[KVBackend, str], plant: str) -> None:
-    """Each operation meeting it raises CorruptEntry(key=None) at once, writing nothing; running the
+    """Each operation meeting it raises CorruptEntryError(key=None) at once, writing nothing; running the
     redis-cli command at the end of the message (DEL or ZREM) makes every operation work again."""
     kv, ns = fresh
     kv.put("run/a", b"1")
@@ -535,10 +535,10 @@ def test_corrupt_bookkeeping_names_the_redis_key_and_its_removal_recovers(
         "watch": lambda: kv.watch("run/", 0, PATIENCE),
     }
     before = snapshot(server, ns)
-    error: CorruptEntry | None = None
+    error: CorruptEntryError | None = None
     for name in meeting:
         started = time.monotonic()
-        with pytest.raises(CorruptEntry) as info:
+        with pytest.raises(CorruptEntryError) as info:
             ops[name]()
         assert time.monotonic() - started < 2.0, f"{name} took long"
         assert info.value.key is None, name
@@ -563,7 +563,7 @@ def test_corrupt_bookkeeping_fails_a_waiting_watch_instead_of_hanging(server: Re
     kv.put("other/k", b"v", ttl=0.3)  # the listener will sweep at its deadline...
     raw(server, "ZADD", ns + "#ttl", "0", "not a key")  # ...and meet this first
     thread.join(PATIENCE + 5)
-    assert len(outcome) == 1 and isinstance(outcome[0], CorruptEntry) and outcome[0].key is None
+    assert len(outcome) == 1 and isinstance(outcome[0], CorruptEntryError) and outcome[0].key is None
 
 
 def _catch(call: Callable[[], Any]) -> Any:
@@ -742,7 +742,7 @@ def test_many_prefixes_are_pruned_from_the_index_and_watches_stay_exact(server: 
     kv.put("p1099/k", b"x")
     assert int(raw(server, "ZCARD", ns + "#last")) <= 110
     assert kv.watch("p0/", last.revision, 0) == []
-    with pytest.raises(HistoryCompacted):
+    with pytest.raises(HistoryCompactedError):
         kv.watch("p0/", start, 0)
     assert [e.key for e in kv.watch("p1099/", last.revision, 0)] == ["p1099/k"]
 
@@ -956,7 +956,7 @@ def test_server_killed_during_a_watch(own_server: RedisServer, opened: Callable[
     def watch() -> None:
         try:
             outcome.append(kv.watch(prefix, after, PATIENCE))
-        except BackendUnavailable as exc:
+        except BackendUnavailableError as exc:
             outcome.append(exc)
 
     thread = threading.Thread(target=watch)
@@ -979,7 +979,7 @@ def test_paused_server_raises_timeout_within_operation_timeout(own_server: Redis
                      lambda: kv.watch(prefix, 0, 5.0),
                      lambda: open_backend(own_server.url(operation_timeout=str(op_timeout)))):
             started = time.monotonic()
-            with pytest.raises(BackendTimeout):
+            with pytest.raises(BackendTimeoutError):
                 call()
             elapsed = time.monotonic() - started
             assert op_timeout * 0.9 <= elapsed < op_timeout + 1.0, elapsed
@@ -991,7 +991,7 @@ def test_paused_server_raises_timeout_within_operation_timeout(own_server: Redis
 def test_data_loss_never_reuses_revisions_and_watchers_notice(opened: Callable[[str], KVBackend],
                                                                prefix: str) -> None:
     """A server without AOF forgets everything on restart: new revisions still exceed every old one,
-    a stale compare-and-swap cannot match, and watchers from the lost history get HistoryCompacted."""
+    a stale compare-and-swap cannot match, and watchers from the lost history get HistoryCompactedError."""
     volatile = RedisServer(appendonly=False)
     volatile.start()
     try:
@@ -1000,13 +1000,13 @@ def test_data_loss_never_reuses_revisions_and_watchers_notice(opened: Callable[[
             last = kv.put(prefix + "k", str(i).encode())
         volatile.kill()
         volatile.start()
-        with pytest.raises(HistoryCompacted, match="lost data"):  # nothing written since the restart
+        with pytest.raises(HistoryCompactedError, match="lost data"):  # nothing written since the restart
             kv.watch(prefix, last.revision, 1.0)
         fresh = kv.create(prefix + "k", b"new")
         assert fresh.revision > last.revision
-        with pytest.raises(CompareFailed):
+        with pytest.raises(CompareFailedError):
             kv.compare_and_swap(prefix + "k", b"stale", last.revision)
-        with pytest.raises(HistoryCompacted, match="lost"):  # the new history has moved past it
+        with pytest.raises(HistoryCompactedError, match="lost"):  # the new history has moved past it
             kv.watch(prefix, last.revision, 1.0)
         entries, revision = kv.list(prefix)  # recovery as documented: re-read, watch from there
         assert entries == [fresh] and kv.watch(prefix, revision, 0) == []
@@ -1019,17 +1019,17 @@ def test_data_loss_under_a_subscribed_prefix_is_still_noticed(own_server: RedisS
                                                                opened: Callable[[str], KVBackend],
                                                                prefix: str) -> None:
     """FLUSHDB keeps the listener's connection: a watch from the lost history, though its prefix's
-    channel announced everything since, still gets HistoryCompacted (at its timeout when nothing came)."""
+    channel announced everything since, still gets HistoryCompactedError (at its timeout when nothing came)."""
     kv, writer = opened(own_server.url()), opened(own_server.url())
     old = writer.put(prefix + "k", b"old")
     assert kv.watch(prefix, old.revision, 0.3) == []  # subscribed, and its polls covered the log
     raw(own_server, "FLUSHDB")
     started = time.monotonic()
-    with pytest.raises(HistoryCompacted):
+    with pytest.raises(HistoryCompactedError):
         kv.watch(prefix, old.revision, 0.5)
     assert time.monotonic() - started < 0.5 + PATIENCE / 2
     writer.put(prefix + "k", b"new")
-    with pytest.raises(HistoryCompacted):
+    with pytest.raises(HistoryCompactedError):
         kv.watch(prefix, old.revision, PATIENCE)
     entries, revision = kv.list(prefix)
     assert [e.value for e in entries] == [b"new"] and kv.watch(prefix, revision, 0.2) == []
@@ -1118,9 +1118,9 @@ def test_tls_bad_files_fail_fast_naming_the_option(tls_server: RedisTLSServer, t
 
 
 def test_no_plain_text_fallback(tls_server: RedisTLSServer, server: RedisServer) -> None:
-    with pytest.raises(BackendUnavailable):  # plain client, TLS port
+    with pytest.raises(BackendUnavailableError):  # plain client, TLS port
         open_backend(f"redis://{tls_server.address}/run?operation_timeout=2")
-    with pytest.raises((BackendUnavailable, InvalidURLError)):  # TLS client, plain port
+    with pytest.raises((BackendUnavailableError, InvalidURLError)):  # TLS client, plain port
         open_backend(f"rediss://{server.address}/run?cacert={tls_server.ca_path}&operation_timeout=2")
 
 
@@ -1172,4 +1172,4 @@ def test_acl_user_without_rights_gets_a_clear_error(server: RedisServer, opened:
     kv = opened(f"redis://{user}:pw@{server.address}/run")
     with pytest.raises(KVError) as info:
         kv.put(prefix + "k", b"v")
-    assert not isinstance(info.value, BackendUnavailable)
+    assert not isinstance(info.value, BackendUnavailableError)

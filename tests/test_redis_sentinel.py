@@ -18,10 +18,10 @@ from conformance_tests.plugin import backends_opened
 from conformance_tests.redis_sentinel import MASTER_NAME, SentinelGroup
 from conformance_tests.servers import free_port
 from rdzv_core import (
-    BackendUnavailable,
-    CompareFailed,
+    BackendUnavailableError,
+    CompareFailedError,
     EventType,
-    HistoryCompacted,
+    HistoryCompactedError,
     InvalidURLError,
     KVBackend,
     list_backends,
@@ -55,11 +55,11 @@ def prefix() -> str:
 
 
 def _retry(fn: Callable[[], T], deadline: float) -> T:
-    """``fn()``, retried every 50 ms while it raises BackendUnavailable (what a failover looks like)."""
+    """``fn()``, retried every 50 ms while it raises BackendUnavailableError (what a failover looks like)."""
     while True:
         try:
             return fn()
-        except BackendUnavailable:
+        except BackendUnavailableError:
             if time.monotonic() >= deadline:
                 raise
             time.sleep(0.05)
@@ -119,7 +119,7 @@ def test_connects_to_the_master(group: SentinelGroup, clients: Callable[..., KVB
 # -- failover ---------------------------------------------------------------------------------
 def test_calls_fail_unavailable_during_a_failover_then_work_on_the_new_master(
         group: SentinelGroup, clients: Callable[..., KVBackend], prefix: str) -> None:
-    """Kill the master: calls raise BackendUnavailable (never hang, never another error) until the
+    """Kill the master: calls raise BackendUnavailableError (never hang, never another error) until the
     replica is promoted; then get, put, compare_and_swap and add work, with the data replicated."""
     kv = clients()
     first = kv.put(prefix + "k", b"1")
@@ -134,7 +134,7 @@ def test_calls_fail_unavailable_during_a_failover_then_work_on_the_new_master(
         try:
             got = kv.get(prefix + "k")
             break
-        except BackendUnavailable as exc:
+        except BackendUnavailableError as exc:
             assert time.monotonic() - started < 3.0, "a call during the failover took longer than ~operation_timeout"
             errors.append(exc)
             assert time.monotonic() < deadline, f"no new master within {FAILOVER} s: {exc}"
@@ -148,7 +148,7 @@ def test_calls_fail_unavailable_during_a_failover_then_work_on_the_new_master(
 
 
 def test_a_watch_survives_a_failover(group: SentinelGroup, clients: Callable[..., KVBackend], prefix: str) -> None:
-    """A watch waiting when the master dies ends with BackendUnavailable (or []); watched again from
+    """A watch waiting when the master dies ends with BackendUnavailableError (or []); watched again from
     the same revision on the new master it sees the next write, in the same history."""
     kv, writer = clients(), clients()
     after = kv.put(prefix + "k", b"0").revision
@@ -169,7 +169,7 @@ def test_a_watch_survives_a_failover(group: SentinelGroup, clients: Callable[...
     _fail_over(group)
     thread.join(15)
     assert not thread.is_alive(), "the watch hung when the master died"
-    assert outcome[0] == [] or isinstance(outcome[0], BackendUnavailable), f"unexpected: {outcome[0]!r}"
+    assert outcome[0] == [] or isinstance(outcome[0], BackendUnavailableError), f"unexpected: {outcome[0]!r}"
     deadline = time.monotonic() + FAILOVER
     put = _retry(lambda: writer.put(prefix + "k", b"1"), deadline)
     events = _retry(lambda: kv.watch(prefix, after, 10.0), deadline)
@@ -190,7 +190,7 @@ def test_a_failover_that_loses_writes_ends_watches_with_history_compacted(
     """The master acknowledges a write the replica never got, dies, and the replica is promoted.
 
     Expected: a watch from the lost write's revision -- one waiting through the failover, and one
-    begun after it, before and after the new master's next write -- ends with HistoryCompacted
+    begun after it, before and after the new master's next write -- ends with HistoryCompactedError
     (never a hang, never events as if nothing was lost); get shows the surviving value;
     compare_and_swap against the lost revision fails, against the surviving one succeeds."""
     kv, watcher = clients(), clients()
@@ -208,7 +208,7 @@ def test_a_failover_that_loses_writes_ends_watches_with_history_compacted(
                     if events := watcher.watch(prefix, lost.revision, 5.0):
                         outcome.append(events)
                         return
-                except BackendUnavailable:
+                except BackendUnavailableError:
                     time.sleep(0.05)
             outcome.append("timed out")
         except BaseException as exc:  # judged below
@@ -219,19 +219,19 @@ def test_a_failover_that_loses_writes_ends_watches_with_history_compacted(
     _fail_over(group)
     thread.join(FAILOVER + 40)
     assert not thread.is_alive()
-    assert isinstance(outcome[0], HistoryCompacted), f"the waiting watch ended with {outcome[0]!r}"
+    assert isinstance(outcome[0], HistoryCompactedError), f"the waiting watch ended with {outcome[0]!r}"
 
     deadline = time.monotonic() + FAILOVER
     got = _retry(lambda: kv.get(prefix + "k"), deadline)
     assert got is not None and (got.value, got.revision) == (b"kept", kept.revision), "the lost write survived?"
-    with pytest.raises(HistoryCompacted):  # the new master is behind the lost revision
+    with pytest.raises(HistoryCompactedError):  # the new master is behind the lost revision
         _retry(lambda: kv.watch(prefix, lost.revision, 1.0), deadline)
-    with pytest.raises(CompareFailed) as stale:
+    with pytest.raises(CompareFailedError) as stale:
         _retry(lambda: kv.compare_and_swap(prefix + "k", b"x", lost.revision), deadline)
     assert stale.value.actual_revision == kept.revision
     new = _retry(lambda: kv.compare_and_swap(prefix + "k", b"new", kept.revision), deadline)
     assert new.revision > lost.revision, "new revisions start at the server's clock: past the lost ones"
-    with pytest.raises(HistoryCompacted):  # now ahead of the lost revision: a history that never held it
+    with pytest.raises(HistoryCompactedError):  # now ahead of the lost revision: a history that never held it
         kv.watch(prefix, lost.revision, 1.0)
     assert [e.revision for e in kv.watch(prefix, kept.revision, 1.0)] == [new.revision]
 
@@ -239,7 +239,7 @@ def test_a_failover_that_loses_writes_ends_watches_with_history_compacted(
 # -- the shared check, on one server ----------------------------------------------------------
 def test_a_watch_from_a_revision_the_server_never_issued_is_history_compacted(rdzv_server_redis: Any) -> None:
     """``redis://`` too: a revision between two consecutive ones of the server's history (what a
-    client holds after the server lost writes it saw) is HistoryCompacted; one just below an event
+    client holds after the server lost writes it saw) is HistoryCompactedError; one just below an event
     still returns that event."""
     with backends_opened(lambda: f"redis://{rdzv_server_redis.address}/") as open_:
         kv = open_()
@@ -247,7 +247,7 @@ def test_a_watch_from_a_revision_the_server_never_issued_is_history_compacted(rd
         a = kv.put(prefix + "a", b"1")
         b = kv.put(prefix + "b", b"2")
         assert b.revision - a.revision > 2, "revisions follow the server's clock in microseconds"
-        with pytest.raises(HistoryCompacted):
+        with pytest.raises(HistoryCompactedError):
             kv.watch(prefix, a.revision + 1, 0)
         assert [e.revision for e in kv.watch(prefix, b.revision - 1, 0)] == [b.revision]
         assert [e.revision for e in kv.watch(prefix, a.revision, 0)] == [b.revision]

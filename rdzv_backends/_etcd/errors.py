@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import enum
 
-from rdzv_core.errors import BackendConnectionError, BackendTimeout, BackendUnavailable, CompareFailed, KeyNotFound
+from rdzv_core.errors import (
+    BackendConnectionError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CompareFailedError,
+    KeyNotFoundError,
+)
 from rdzv_core.kv import budget_text
 
 from .budget import Tries
@@ -28,7 +34,7 @@ class Failure(enum.Enum):
     OVERLOADED = "overloaded"  # etcd refused the request as too many
 
 
-def transport_error(failure: Failure, where: str, what: str, detail: str) -> BackendUnavailable:
+def transport_error(failure: Failure, where: str, what: str, detail: str) -> BackendUnavailableError:
     """The error of one failed attempt.
 
     Args:
@@ -40,17 +46,17 @@ def transport_error(failure: Failure, where: str, what: str, detail: str) -> Bac
     if failure is Failure.NOT_SENT:
         return BackendConnectionError(f"cannot reach {where} for {what}: {detail}")
     if failure is Failure.TIMED_OUT:
-        return BackendTimeout(f"{where} did not answer {what} in time")
+        return BackendTimeoutError(f"{where} did not answer {what} in time")
     if failure is Failure.TLS:
         return BackendConnectionError(f"TLS handshake with {where} failed: {detail}")
     if failure is Failure.OVERLOADED:
-        return BackendTimeout(f"{where} is overloaded: {detail}")
+        return BackendTimeoutError(f"{where} is overloaded: {detail}")
     return BackendConnectionError(f"connection to {where} lost during {what}: {detail}")
 
 
 def give_up(
-    settings: EtcdSettings, what: str, last: BackendUnavailable | None, *, refused: bool, tries: Tries | None
-) -> BackendUnavailable:
+    settings: EtcdSettings, what: str, last: BackendUnavailableError | None, *, refused: bool, tries: Tries | None
+) -> BackendUnavailableError:
     """What a request raises once its deadline passed.
 
     Args:
@@ -63,7 +69,7 @@ def give_up(
         else ``last``, saying the write may or may not have taken effect if an attempt may have been applied.
     """
     if last is None:
-        return BackendTimeout(f"no etcd endpoint of {settings.describe()} answered {what} in time")
+        return BackendTimeoutError(f"no etcd endpoint of {settings.describe()} answered {what} in time")
     if refused and isinstance(last, BackendConnectionError):
         return BackendConnectionError(unreachable(settings, what, last))
     if tries is not None and tries.maybe_applied and "may or may not" not in str(last):
@@ -86,26 +92,28 @@ def unreachable(settings: EtcdSettings, what: str, last: BaseException | None) -
             f"{budget_text(settings.operation_timeout)}{detail}; is etcd running there?")
 
 
-def may_have_applied(what: str, key: str) -> BackendTimeout:
+def may_have_applied(what: str, key: str) -> BackendTimeoutError:
     """The error for a compare-guarded write whose outcome the backend cannot tell.
 
     An attempt may have been applied and a later attempt met a conflict that is
     not provably genuine (state written after the request was first sent, not
     recognisably this write's own).
     """
-    return BackendTimeout(
+    return BackendTimeoutError(
         f"{what} was retried after an attempt that may have been applied, and the retry found {key!r} changed "
         "by a write after it was first sent: it may or may not have taken effect; re-read the key", key
     )
 
 
-def compare_error(key: str, expected: int, actual: int | None, *, absent: bool) -> KeyNotFound | CompareFailed:
+def compare_error(
+    key: str, expected: int, actual: int | None, *, absent: bool
+) -> KeyNotFoundError | CompareFailedError:
     """The error of a compare on ``key``'s revision that failed: absent, or at revision ``actual`` (if known)."""
     if absent:
-        return KeyNotFound(f"key {key!r} not found", key)
-    return CompareFailed(f"key {key!r} is at revision {actual}, not {expected}", key, expected, actual)
+        return KeyNotFoundError(f"key {key!r} not found", key)
+    return CompareFailedError(f"key {key!r} is at revision {actual}, not {expected}", key, expected, actual)
 
 
-def key_gone(key: str) -> KeyNotFound:
+def key_gone(key: str) -> KeyNotFoundError:
     """The error of ``refresh`` (and ``ttl_remaining``) for a key that is not there."""
-    return KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+    return KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)

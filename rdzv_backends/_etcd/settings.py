@@ -29,7 +29,7 @@ __all__ = [
 
 #: etcd's client port, for hosts given without one.
 DEFAULT_PORT = 2379
-#: Seconds an operation may take before it fails with ``BackendUnavailable``.
+#: Seconds an operation may take before it fails with ``BackendUnavailableError``.
 DEFAULT_OPERATION_TIMEOUT = 10.0
 #: Largest value either etcd backend accepts (bytes). Fits etcd's default
 #: ``--max-request-bytes`` (1.5 MiB) even base64-encoded in a v2 form body.

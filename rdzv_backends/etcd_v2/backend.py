@@ -14,13 +14,13 @@ import urllib.parse
 from typing import Any
 
 from rdzv_core.errors import (
-    BackendClosed,
-    BackendTimeout,
-    BackendUnavailable,
-    CorruptEntry,
-    HistoryCompacted,
-    KeyExists,
-    KeyNotFound,
+    BackendClosedError,
+    BackendTimeoutError,
+    BackendUnavailableError,
+    CorruptEntryError,
+    HistoryCompactedError,
+    KeyExistsError,
+    KeyNotFoundError,
 )
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
@@ -88,7 +88,7 @@ class EtcdV2Backend(KVBackend):
             ``protocol=http`` to a server that speaks TLS, or an endpoint that is
             not etcd (see :func:`~rdzv_backends._etcd.probe.probe_http`).
         KVError: the installed ``python-etcd`` lacks ``Client.api_execute.__wrapped__``.
-        BackendConnectionError, BackendTimeout: no endpoint answered within
+        BackendConnectionError, BackendTimeoutError: no endpoint answered within
             ``operation_timeout`` seconds.
     """
 
@@ -189,7 +189,7 @@ class EtcdV2Backend(KVBackend):
                 if node is not None and own_write(node, params, tries, created=True):
                     return to_entry(key, node)
                 raise may_have_applied(f"create({key!r})", key)
-            raise KeyExists(f"key {key!r} exists", key)
+            raise KeyExistsError(f"key {key!r} exists", key)
         if not answer.ok:
             raise unexpected(answer, key)
         return to_entry(key, answer.body["node"])
@@ -266,7 +266,7 @@ class EtcdV2Backend(KVBackend):
             path = "".join("/" + urllib.parse.quote(s, safe="") for s in segments)
             try:
                 answer = self._net.call("DELETE", path, {"dir": "true"}, deadline)
-            except (BackendUnavailable, BackendClosed) as exc:
+            except (BackendUnavailableError, BackendClosedError) as exc:
                 log.debug("empty etcd v2 directory %s left behind: %s", path, exc)
                 return
             if not answer.ok and answer.code != KEY_NOT_FOUND:  # 108: not empty (or not ours to remove)
@@ -321,9 +321,9 @@ class EtcdV2Backend(KVBackend):
         for entry in self._do_list(prefix)[0]:
             try:
                 self._do_refresh(entry.key, ttl)
-            except KeyNotFound:
+            except KeyNotFoundError:
                 continue
-            except CorruptEntry:  # a ticket directory
+            except CorruptEntryError:  # a ticket directory
                 self._do_delete(entry.key)
             count += 1
         return count
@@ -350,8 +350,8 @@ class EtcdV2Backend(KVBackend):
         See "Writes" in ``docs/backends/etcd-v2.md`` for the attempts and when they read.
 
         Raises:
-            CorruptEntry: the key holds a non-decimal value or is a directory (nothing written).
-            BackendTimeout: every attempt lost a race until the operation deadline; or an
+            CorruptEntryError: the key holds a non-decimal value or is a directory (nothing written).
+            BackendTimeoutError: every attempt lost a race until the operation deadline; or an
                 attempt that may have been applied was followed by a lost race, so the add
                 may or may not have taken effect (see ``Tries``; it is never applied twice).
         """
@@ -401,15 +401,15 @@ class EtcdV2Backend(KVBackend):
         could take two tickets) and the token is looked for instead.
 
         Raises:
-            CorruptEntry: the key's node is a value or a directory that is not a ticket directory.
-            BackendTimeout: an attempt may have been applied, no answer came and its token is not there.
-            KeyNotFound: the key was deleted between the write and the read.
+            CorruptEntryError: the key's node is a value or a directory that is not a ticket directory.
+            BackendTimeoutError: an attempt may have been applied, no answer came and its token is not there.
+            KeyNotFoundError: the key was deleted between the write and the read.
         """
         deadline, tries = self._deadline(), self._net.tries()
         token = b64(os.urandom(9))
         try:
             answer = self._net.call("POST", node_path(key), {"value": token}, deadline, tries, resend=False)
-        except BackendTimeout:
+        except BackendTimeoutError:
             found = self._find_ticket(key, token, deadline) if tries.maybe_applied else None
             if found is None:
                 raise
@@ -418,7 +418,7 @@ class EtcdV2Backend(KVBackend):
             raise unexpected(answer, key)  # NOT_DIR: a value node stands at the key
         found = self._find_ticket(key, token, deadline)
         if found is None:
-            raise KeyNotFound(f"ticket key {key!r} was deleted while a ticket was taken", key)
+            raise KeyNotFoundError(f"ticket key {key!r} was deleted while a ticket was taken", key)
         return found
 
     def _find_ticket(self, key: str, token: str, deadline: Deadline) -> int | None:
@@ -434,7 +434,7 @@ class EtcdV2Backend(KVBackend):
         return None
 
     def _read_counter(self, key: str, deadline: Deadline) -> Counter | None:
-        """The counter node at ``key`` (``None`` if absent); :class:`CorruptEntry` for a directory."""
+        """The counter node at ``key`` (``None`` if absent); :class:`CorruptEntryError` for a directory."""
         node = self._read_node(key, deadline)
         if node is None:
             return None
@@ -469,7 +469,7 @@ class EtcdV2Backend(KVBackend):
                 return []
             if not answer.ok:
                 if answer.code == INDEX_CLEARED:
-                    raise HistoryCompacted(
+                    raise HistoryCompactedError(
                         f"etcd v2 no longer has the events after index {after_revision} "
                         f"({answer.body.get('cause')}); re-read and watch from the index read",
                         prefix,

@@ -12,7 +12,7 @@ import re
 import urllib.parse
 from typing import Any, NamedTuple
 
-from rdzv_core.errors import CorruptEntry, InvalidKeyError, KVError
+from rdzv_core.errors import CorruptEntryError, InvalidKeyError, KVError
 from rdzv_core.kv import Entry, Event, EventType, check_key
 
 from .._etcd.budget import Tries
@@ -91,18 +91,18 @@ def key_of(node_key: str) -> str | None:
 
 
 def decode(key: str, raw: Any) -> bytes:
-    """The bytes of a stored value (base64 text); :class:`CorruptEntry` if it is not base64."""
+    """The bytes of a stored value (base64 text); :class:`CorruptEntryError` if it is not base64."""
     try:
         return base64.b64decode(raw if isinstance(raw, str) else "", validate=True)
     except (binascii.Error, ValueError):
-        raise CorruptEntry(
+        raise CorruptEntryError(
             f"etcd v2 node {node_key(key)} (key {key!r}) holds {str(raw)[:40]!r}, not base64 data written by "
             f"this backend; delete({key!r}) or `rdzv reset` removes it", key
         ) from None
 
 
-def dir_error(key: str) -> CorruptEntry:
-    return CorruptEntry(
+def dir_error(key: str) -> CorruptEntryError:
+    return CorruptEntryError(
         f"etcd v2 holds a directory at {node_key(key)}, where the value of key {key!r} belongs (made by another "
         f"program); delete({key!r}) or `rdzv reset` removes it", key
     )
@@ -121,7 +121,7 @@ def ticket_nodes(key: str, node: dict[str, Any]) -> list[dict[str, Any]]:
     """The in-order keys of a ticket directory (``take_ticket``: ``/a/b/!t/000...N``), in the answer's order.
 
     Raises:
-        CorruptEntry: ``node`` is a value, an empty directory or one holding anything else (not ours).
+        CorruptEntryError: ``node`` is a value, an empty directory or one holding anything else (not ours).
     """
     children = node.get("nodes") or []
     if not node.get("dir") or not children or not all(
@@ -215,7 +215,7 @@ def watch_event(body: dict[str, Any], prefix: str) -> Event | None:
 
 
 def compare_answer_error(answer: Answer, key: str, expected: int) -> KVError:
-    """The error of a compare on ``key``'s ``prevIndex`` that failed (``KeyNotFound``, ``CompareFailed``)."""
+    """The error of a compare on ``key``'s ``prevIndex`` that failed (``KeyNotFoundError``, ``CompareFailedError``)."""
     if answer.code in (KEY_NOT_FOUND, NOT_DIR):
         return compare_error(key, expected, None, absent=True)
     if answer.code == COMPARE_FAILED:
@@ -230,7 +230,7 @@ def unexpected(answer: Answer, key: str) -> KVError:
     if answer.code == NOT_FILE:
         return dir_error(key)
     if answer.code == NOT_DIR:
-        return CorruptEntry(
+        return CorruptEntryError(
             f"etcd v2 holds a value at node {body.get('cause')} (made by another program), where a directory "
             f"on the path of key {key!r} belongs; delete({key!r}) or `rdzv reset` removes it", key
         )

@@ -19,10 +19,10 @@ import urllib3
 import urllib3.exceptions as u3
 
 from rdzv_core.errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
+    BackendTimeoutError,
+    BackendUnavailableError,
     InvalidURLError,
     KVError,
 )
@@ -101,8 +101,8 @@ class Transport:
 
     Args:
         settings: endpoints, TLS, credentials and ``operation_timeout``.
-        check_open: raises :class:`~rdzv_core.errors.BackendClosed` once the backend is closed.
-        is_closed: whether the backend has been closed (a failure then raises ``BackendClosed``).
+        check_open: raises :class:`~rdzv_core.errors.BackendClosedError` once the backend is closed.
+        is_closed: whether the backend has been closed (a failure then raises ``BackendClosedError``).
 
     Raises:
         InvalidURLError: the URL names a user without a password.
@@ -144,18 +144,18 @@ class Transport:
             path: the quoted path below ``/v2/keys``.
             tries: for a compare-guarded write: marked when an attempt failed after it may have reached etcd.
             resend: ``False``: no attempt after one that may have reached etcd (a write that must not be
-                applied twice, such as an in-order key); the call raises ``BackendTimeout`` instead.
+                applied twice, such as an in-order key); the call raises ``BackendTimeoutError`` instead.
 
         Returns:
             The :class:`~.mapping.Answer`: a 2xx answer or an etcd error payload.
 
         Raises:
-            BackendConnectionError, BackendTimeout: no endpoint answered in time (see ``errors.give_up``).
+            BackendConnectionError, BackendTimeoutError: no endpoint answered in time (see ``errors.give_up``).
             InvalidURLError: the server does not serve the v2 API, or refused the credentials.
         """
         answer = self.send(method, path, params, deadline, tries=tries, poll=None, resend=resend)
         if answer is None:  # only long polls time out quietly
-            raise BackendTimeout(f"etcd {method} {path} timed out")
+            raise BackendTimeoutError(f"etcd {method} {path} timed out")
         return answer
 
     def send(
@@ -171,13 +171,13 @@ class Transport:
     ) -> Answer | None:
         """:meth:`call`; with ``poll`` (a watch's deadline) a long poll that times out returns ``None``."""
         what = f"{method} {urllib.parse.unquote(path)}"
-        last: BackendUnavailable | None = None
+        last: BackendUnavailableError | None = None
         refused = True  # every failure so far reached no server
         while True:
             for index in self.endpoints.order():
                 self._check_open()
                 if not resend and tries is not None and tries.maybe_applied:
-                    raise BackendTimeout(f"etcd {what}: an attempt may have been applied and no answer came; "
+                    raise BackendTimeoutError(f"etcd {what}: an attempt may have been applied and no answer came; "
                                          "not sent again") from last
                 per_try = deadline.attempt() if poll is None else max(poll.remaining(), _MIN_POLL)
                 if per_try <= 0:
@@ -192,7 +192,7 @@ class Transport:
                     continue
                 except (u3.HTTPError, http.client.HTTPException, OSError) as exc:
                     if self._is_closed():
-                        raise BackendClosed(f"EtcdV2Backend was closed during a {method}") from None
+                        raise BackendClosedError(f"EtcdV2Backend was closed during a {method}") from None
                     failure = _failure(exc)
                     if poll is not None and failure is Failure.TIMED_OUT:
                         self.endpoints.worked(index)
@@ -209,7 +209,7 @@ class Transport:
                 if answer.code in (LEADER_ELECT, RAFT_INTERNAL):
                     # 301: no leader, nothing applied. 300: etcd's own request timeout ran out (a
                     # proposal lost with a dead leader, say); the write may still be applied.
-                    last, refused = BackendTimeout(
+                    last, refused = BackendTimeoutError(
                         f"etcd at {ep.base_uri}: {answer.body.get('message')} ({answer.body.get('cause')})"
                     ), False
                     self._attempt_failed(index, deadline, tries if answer.code == RAFT_INTERNAL else None, last)

@@ -12,7 +12,14 @@ import logging
 import threading
 from typing import Any, Callable, NamedTuple
 
-from rdzv_core.errors import BackendTimeout, BackendUnavailable, KeyExists, KeyNotFound, KVError, ValueTooLarge
+from rdzv_core.errors import (
+    BackendTimeoutError,
+    BackendUnavailableError,
+    KeyExistsError,
+    KeyNotFoundError,
+    KVError,
+    ValueTooLargeError,
+)
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
 from .._concurrency import AddCombiner, RaceRetry, ReadCoalescer
@@ -56,7 +63,7 @@ class EtcdV3Backend(KVBackend):
             :func:`~rdzv_backends._etcd.tls.check_tls`); ``protocol=http`` to a
             server that speaks TLS, or an endpoint that is not etcd (see
             :func:`~rdzv_backends._etcd.probe.probe_http`).
-        BackendConnectionError, BackendTimeout: no endpoint answered within
+        BackendConnectionError, BackendTimeoutError: no endpoint answered within
             ``operation_timeout`` seconds.
     """
 
@@ -117,7 +124,7 @@ class EtcdV3Backend(KVBackend):
         try:
             self._net.call(lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md),
                            Deadline(min(2.0, deadline.remaining())), what="lease revoke")
-        except (BackendUnavailable, ServerError) as exc:
+        except (BackendUnavailableError, ServerError) as exc:
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
     def _keepalive(self, lease: int, deadline: Deadline) -> int:
@@ -150,7 +157,7 @@ class EtcdV3Backend(KVBackend):
         answer = self._net.call(lambda ep, t, md: ep.lease.LeaseTimeToLive(request, timeout=t, metadata=md), deadline,
                                 what="lease time-to-live")
         if int(answer.TTL) < 0:  # the lease ran out since the read
-            raise KeyNotFound(f"key {key!r} not found (expired)", key)
+            raise KeyNotFoundError(f"key {key!r} not found (expired)", key)
         return float(answer.TTL)
 
     def _do_list(self, prefix: str) -> tuple[list[Entry], int]:
@@ -178,7 +185,7 @@ class EtcdV3Backend(KVBackend):
                 self._revoke(lease, deadline)
                 raise may_have_applied(f"create({key!r})", key)
             self._revoke(lease, deadline)
-            raise KeyExists(f"key {key!r} exists", key)
+            raise KeyExistsError(f"key {key!r} exists", key)
         return Entry(key, value, int(answer.header.revision))
 
     def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry:
@@ -204,7 +211,7 @@ class EtcdV3Backend(KVBackend):
         on a new lease until ``deadline``.
 
         Raises:
-            ValueTooLarge: etcd refused the write as too large (nothing was written);
+            ValueTooLargeError: etcd refused the write as too large (nothing was written);
             whatever else ``send`` raised.
         """
         while True:
@@ -277,7 +284,7 @@ class EtcdV3Backend(KVBackend):
         # Unbounded, 1,024 refreshes at once starved each other and keys lapsed (steady benchmark,
         # docs/benchmarks.md; measured while each keep-alive stream had gRPC threads of its own).
         if not self._refresh_slots.acquire(timeout=max(0.0, deadline.remaining())):
-            raise BackendTimeout(f"refresh({key!r}): {REFRESH_CONCURRENCY} refreshes of this client in flight for "
+            raise BackendTimeoutError(f"refresh({key!r}): {REFRESH_CONCURRENCY} refreshes of this client in flight for "
                                  f"{self.settings.operation_timeout} s", key)
         try:
             self._refresh_once(key, ttl, deadline)
@@ -300,13 +307,13 @@ class EtcdV3Backend(KVBackend):
                     raise key_gone(key)
                 if current.lease != kv.lease or current.mod_revision != kv.mod_revision:
                     if not deadline.backoff():
-                        raise BackendTimeout(f"refresh({key!r}) lost every race", key)
+                        raise BackendTimeoutError(f"refresh({key!r}) lost every race", key)
                     continue
             # No lease, or a different TTL: re-put the same value on a lease of the asked TTL.
             if self._reput(key, kv, ttl, deadline):
                 return
             if not deadline.backoff():
-                raise BackendTimeout(f"refresh({key!r}) lost every race", key)
+                raise BackendTimeoutError(f"refresh({key!r}) lost every race", key)
 
     def _effective_ttl(self, wanted: int) -> int:
         """The TTL a new lease of ``wanted`` seconds gets (etcd raises it to its minimum, once seen)."""
@@ -348,8 +355,8 @@ class EtcdV3Backend(KVBackend):
         counter nobody else touched since costs one round trip.
 
         Raises:
-            CorruptEntry: the value at ``key`` is not ASCII decimal (nothing written).
-            BackendTimeout: every attempt lost a race until the operation deadline; or an
+            CorruptEntryError: the value at ``key`` is not ASCII decimal (nothing written).
+            BackendTimeoutError: every attempt lost a race until the operation deadline; or an
                 attempt that may have been applied was followed by a lost race, so the add
                 may or may not have taken effect (see ``Tries``; it is never applied twice).
         """
@@ -394,7 +401,7 @@ class EtcdV3Backend(KVBackend):
         An attempt that may have reached etcd is not sent again: that could take two tickets.
 
         Raises:
-            BackendTimeout: no answer to an attempt that may have been applied (the ticket may be taken).
+            BackendTimeoutError: no answer to an attempt that may have been applied (the ticket may be taken).
         """
         deadline, tries = self._deadline(), self._net.tries()
         request = put_request(v3_key(key), b"", 0)
@@ -432,7 +439,7 @@ class EtcdV3Backend(KVBackend):
         """Wait on ``ep``'s shared watch stream until an event after ``after``, an error, or ``poll`` passes.
 
         Raises:
-            StreamError: the stream failed (``_call`` retries); HistoryCompacted, KVError: see the stream.
+            StreamError: the stream failed (``_call`` retries); HistoryCompactedError, KVError: see the stream.
         """
         for _ in range(3):  # a stream that fails between being found and subscribed to is replaced
             with ep.stream_lock:
@@ -459,12 +466,12 @@ class EtcdV3Backend(KVBackend):
     def _do_close(self) -> None:
         net = getattr(self, "_net", None)
         if net is not None:
-            net.close()  # fails every watch stream: their callers raise BackendClosed
+            net.close()  # fails every watch stream: their callers raise BackendClosedError
 
 
 
 def _raise_if_too_large(error: BaseException, key: str, value: bytes) -> None:
-    """Raise :class:`ValueTooLarge` if ``error`` is etcd refusing a write as too large (nothing was written).
+    """Raise :class:`ValueTooLargeError` if ``error`` is etcd refusing a write as too large (nothing was written).
 
     etcd answers ``request is too large`` above its ``--max-request-bytes``, and
     gRPC ``received message larger than max`` above that plus 512 KiB; the
@@ -472,7 +479,7 @@ def _raise_if_too_large(error: BaseException, key: str, value: bytes) -> None:
     """
     if isinstance(error, ServerError) and ("request is too large" in error.details
                                             or "larger than max" in error.details):
-        raise ValueTooLarge(
+        raise ValueTooLargeError(
             f"etcd refused the value of {len(value)} bytes for key {key!r} as too large ({error.details}): this "
             f"backend accepts up to {MAX_VALUE_BYTES} bytes (max_value_bytes), but the server's "
             "--max-request-bytes may be configured lower; store smaller values or raise the server's limit", key

@@ -12,10 +12,10 @@ import threading
 from typing import Any, Callable, TypeVar
 
 from rdzv_core.errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
+    BackendTimeoutError,
+    BackendUnavailableError,
     InvalidURLError,
     KVError,
 )
@@ -187,8 +187,8 @@ class Transport:
 
     Args:
         settings: endpoints, TLS, credentials and ``operation_timeout``.
-        check_open: raises :class:`~rdzv_core.errors.BackendClosed` once the backend is closed.
-        is_closed: whether the backend has been closed (a failure then raises ``BackendClosed``).
+        check_open: raises :class:`~rdzv_core.errors.BackendClosedError` once the backend is closed.
+        is_closed: whether the backend has been closed (a failure then raises ``BackendClosedError``).
     """
 
     def __init__(self, settings: EtcdSettings, check_open: Callable[[], None], is_closed: Callable[[], bool]) -> None:
@@ -249,21 +249,21 @@ class Transport:
                 after it may have reached etcd (see :class:`~rdzv_backends._etcd.budget.Tries`).
             reauth: renew the auth token once if etcd reports it invalid.
             resend: ``False``: no attempt after one that may have reached etcd (a write that must not be
-                applied twice, such as a ticket's put); the call raises ``BackendTimeout`` instead.
+                applied twice, such as a ticket's put); the call raises ``BackendTimeoutError`` instead.
 
         Raises:
-            BackendConnectionError, BackendTimeout: no endpoint answered in time (see ``errors.give_up``).
+            BackendConnectionError, BackendTimeoutError: no endpoint answered in time (see ``errors.give_up``).
             InvalidURLError: etcd requires a user and the URL names none.
             ServerError: etcd answered with another error status.
         """
-        last: BackendUnavailable | None = None
+        last: BackendUnavailableError | None = None
         refused = True  # every failure so far reached no server
         tried = False  # every call makes at least one attempt, even with no time left
         while True:
             for index in self.endpoints.order():
                 self._check_open()
                 if not resend and tries is not None and tries.maybe_applied:
-                    raise BackendTimeout(f"etcd {what}: an attempt may have reached etcd and no answer came; "
+                    raise BackendTimeoutError(f"etcd {what}: an attempt may have reached etcd and no answer came; "
                                          "not sent again") from last
                 per_try = deadline.attempt()
                 if per_try <= 0 and tried:
@@ -274,7 +274,7 @@ class Transport:
                     answer = rpc(ep, max(per_try, _MIN_TRY), self.metadata())
                 except (grpc.RpcError, StreamError) as exc:
                     if self._is_closed():
-                        raise BackendClosed(f"EtcdV3Backend was closed during {what}") from None
+                        raise BackendClosedError(f"EtcdV3Backend was closed during {what}") from None
                     code, details = exc.code(), exc.details() or ""
                     failure = _failure(code, details)
                     if failure is None:  # an answer from etcd, not a transport failure
@@ -303,7 +303,7 @@ class Transport:
                     continue
                 except ValueError:  # gRPC: "Cannot invoke RPC on closed channel!"
                     if self._is_closed():
-                        raise BackendClosed(f"EtcdV3Backend was closed during {what}") from None
+                        raise BackendClosedError(f"EtcdV3Backend was closed during {what}") from None
                     raise
                 self.endpoints.worked(index)
                 header = getattr(answer, "header", None)
@@ -320,6 +320,6 @@ class Transport:
         self.eps[self.endpoints.order()[0]].streams()
 
     def close(self) -> None:
-        """Close every channel: fails every watch stream, whose callers raise ``BackendClosed``."""
+        """Close every channel: fails every watch stream, whose callers raise ``BackendClosedError``."""
         for ep in self.eps:
             ep.close()

@@ -12,7 +12,7 @@ import collections
 import threading
 from typing import Any, Callable
 
-from rdzv_core.errors import HistoryCompacted, KVError
+from rdzv_core.errors import HistoryCompactedError, KVError
 from rdzv_core.kv import Event
 
 from . import streams
@@ -179,7 +179,7 @@ class WatchStream:
         """The error for a watch etcd cancelled (a new one per caller, as each raises its own)."""
         prefix = watch.key[0].decode("utf-8", "replace")[1:]
         if answer.compact_revision:
-            return lambda: HistoryCompacted(
+            return lambda: HistoryCompactedError(
                 f"etcd compacted its history up to revision {answer.compact_revision}; events after "
                 f"{watch.key[2]} are gone: re-read and watch from the revision read", prefix,
             )

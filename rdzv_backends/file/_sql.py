@@ -11,10 +11,10 @@ import time
 
 from rdzv_core.errors import (
     BackendConnectionError,
-    BackendTimeout,
-    CompareFailed,
-    CorruptEntry,
-    KeyNotFound,
+    BackendTimeoutError,
+    CompareFailedError,
+    CorruptEntryError,
+    KeyNotFoundError,
     KVError,
 )
 from rdzv_core.kv import Entry, Event, EventType
@@ -120,7 +120,7 @@ class _Txn:
         """``(value, revision, expires)`` of a live key, or ``None``.
 
         Raises:
-            CorruptEntry: the row was not written by this module.
+            CorruptEntryError: the row was not written by this module.
         """
         row = self.conn.execute(_ROW, (key,)).fetchone()
         return None if row is None else _check_row(self.path, key, row)
@@ -157,9 +157,9 @@ class _Txn:
     def check_revision(self, key: str, expected: int) -> tuple[bytes, int, float | None]:
         row = self.row(key)
         if row is None:
-            raise KeyNotFound(f"key {key!r} not found", key)
+            raise KeyNotFoundError(f"key {key!r} not found", key)
         if row[1] != expected:
-            raise CompareFailed(f"key {key!r} is at revision {row[1]}, not {expected}", key, expected, row[1])
+            raise CompareFailedError(f"key {key!r} is at revision {row[1]}, not {expected}", key, expected, row[1])
         return row
 
 
@@ -215,38 +215,38 @@ def map_error(exc: sqlite3.Error, path: str, timeout: float, waited: float | Non
     text = str(exc)
     if _is_busy(exc):
         if waited is not None and waited < timeout / 2:  # SQLite gave up without waiting (no busy handler)
-            return BackendTimeout(
+            return BackendTimeoutError(
                 f"{path!r} was locked by another connection and SQLite gave up after {waited:.3f}s, "
                 f"without waiting for operation_timeout={timeout}s: {text}"
             )
-        return BackendTimeout(
+        return BackendTimeoutError(
             f"{path!r} stayed locked for more than operation_timeout={timeout}s "
             f"(another process holds a write transaction): {text}"
         )
     if primary in _UNAVAILABLE_CODES:
         return BackendConnectionError(f"cannot use the store {path!r}: {text}")
     if primary in _DAMAGED_CODES:
-        return CorruptEntry(
+        return CorruptEntryError(
             f"{path!r} is not an intact SQLite database ({text}); move it away or delete it "
             f"(every key in it is lost), then open the store again",
             None,
         )
     if "no such table" in text or "no such column" in text:
-        return CorruptEntry(f"{path!r} is an SQLite database but not an rdzv store ({text}); move it away", None)
+        return CorruptEntryError(f"{path!r} is an SQLite database but not an rdzv store ({text}); move it away", None)
     return KVError(f"SQLite error on {path!r}: {text}")
 
 
 def _meta_int(conn: sqlite3.Connection, name: str, path: str) -> int:
-    """The integer ``meta.value`` of ``name``; :class:`CorruptEntry` (``key=None``) if it is not one."""
+    """The integer ``meta.value`` of ``name``; :class:`CorruptEntryError` (``key=None``) if it is not one."""
     row = conn.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
     if row is None or type(row[0]) is not int:
         raise _bad_meta(name, None if row is None else row, path)
     return row[0]
 
 
-def _bad_meta(name: str, row: tuple[object] | None, path: str) -> CorruptEntry:
+def _bad_meta(name: str, row: tuple[object] | None, path: str) -> CorruptEntryError:
     found = "missing" if row is None else f"{_SQL_TYPES.get(type(row[0]), '?')} {row[0]!r:.40}"
-    return CorruptEntry(
+    return CorruptEntryError(
         f"{path!r}: the store's bookkeeping row meta.{name} is {found}, not an integer (written by "
         f"another tool?); repair that row, or delete the file (every key in it is lost)",
         None,
@@ -269,10 +269,10 @@ def _poll(conn: sqlite3.Connection, path: str) -> tuple[int, float | None]:
 
 
 def _check_row(path: str, key: object, row: tuple[object, object, object]) -> tuple[bytes, int, float | None]:
-    """``row`` (value, revision, expires) if this module could have written it, else :class:`CorruptEntry`."""
+    """``row`` (value, revision, expires) if this module could have written it, else :class:`CorruptEntryError`."""
     value, revision, expires = row
     if type(key) is not str:
-        raise CorruptEntry(
+        raise CorruptEntryError(
             f"{path!r}: a kv row has a {_SQL_TYPES.get(type(key), '?')} key {key!r:.60}, not TEXT (written by "
             f"another tool?); delete it with sqlite3",
             None,
@@ -285,20 +285,20 @@ def _check_row(path: str, key: object, row: tuple[object, object, object]) -> tu
     elif expires is not None and type(expires) not in (int, float):
         problem = f"expiry {expires!r:.40}, not a number"
     if problem is not None:
-        raise CorruptEntry(
+        raise CorruptEntryError(
             f"key {key!r} in {path!r} holds {problem} (written by another tool?); delete(key) removes it", key
         )
     return value, revision, expires  # type: ignore[return-value]
 
 
 def _event(path: str, revision: int, type_: object, key: object, value: object) -> Event:
-    """The :class:`Event` of an ``events`` row; :class:`CorruptEntry` (``key=None``) if rdzv did not write it."""
+    """The :class:`Event` of an ``events`` row; :class:`CorruptEntryError` (``key=None``) if rdzv did not write it."""
     if type(key) is str:
         if type_ == "put" and type(value) is bytes:
             return Event(EventType.PUT, key, revision, value)
         if type_ == "delete" and value is None:
             return Event(EventType.DELETE, key, revision)
-    raise CorruptEntry(
+    raise CorruptEntryError(
         f"{path!r}: the store's bookkeeping row events.revision = {revision} (type {type_!r:.20}, key {key!r:.60}, "
         f"{_SQL_TYPES.get(type(value), '?')} value) was not written by rdzv; delete that row with sqlite3 "
         f"(it also leaves the history after {HISTORY_LIMIT} more writes)",

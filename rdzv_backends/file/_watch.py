@@ -30,7 +30,7 @@ from rdzv_backends.file._sql import (
     _Txn,
     map_error,
 )
-from rdzv_core.errors import BackendTimeout, CorruptEntry, HistoryCompacted, KVError
+from rdzv_core.errors import BackendTimeoutError, CorruptEntryError, HistoryCompactedError, KVError
 from rdzv_core.kv import Event, KVBackend
 
 log = logging.getLogger(__name__)
@@ -216,14 +216,14 @@ class _Poller:
                     continue
                 try:
                     found.setdefault(waiter, []).append(_event(path, *rows[rev]))
-                except CorruptEntry as exc:
+                except CorruptEntryError as exc:
                     if not found.get(waiter):  # deliver the good events before it first
-                        failed[waiter] = (CorruptEntry, str(exc), exc.key)
+                        failed[waiter] = (CorruptEntryError, str(exc), exc.key)
         finished = []
         with self._cond:
             for waiter in waiters:
                 if waiter.cursor < oldest:
-                    done = self._finish(waiter, [], (HistoryCompacted, _compacted_message(waiter.cursor, revision),
+                    done = self._finish(waiter, [], (HistoryCompactedError, _compacted_message(waiter.cursor, revision),
                                                      waiter.prefix))
                 elif found.get(waiter):
                     done = self._finish(waiter, found[waiter], None)
@@ -250,7 +250,7 @@ class _Shared:
     def locked(self, timeout: float) -> Iterator[None]:
         """Hold this process's write lock for the store (at most ``timeout`` seconds of waiting)."""
         if not self.lock.acquire(timeout=timeout):
-            raise BackendTimeout(
+            raise BackendTimeoutError(
                 f"{self.path!r}: another thread of this process held the write lock for more than "
                 f"operation_timeout={timeout}s"
             )
@@ -263,7 +263,7 @@ class _Shared:
         """Run ``body`` in a write transaction on ``conn`` (after purging expired keys) under the
         write lock; commit unless it raises, then poke the poller.
 
-        Raises ``sqlite3.Error`` untranslated (callers translate) and :class:`BackendTimeout`.
+        Raises ``sqlite3.Error`` untranslated (callers translate) and :class:`BackendTimeoutError`.
         """
         with self.locked(timeout):
             conn.execute("BEGIN IMMEDIATE")

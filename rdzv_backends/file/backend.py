@@ -38,13 +38,13 @@ from rdzv_backends.file._sql import (
 )
 from rdzv_backends.file._watch import _FORK_ORPHANS, _shared, _Shared, _Waiter
 from rdzv_core.errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    CorruptEntry,
-    HistoryCompacted,
+    CorruptEntryError,
+    HistoryCompactedError,
     InvalidURLError,
-    KeyExists,
-    KeyNotFound,
+    KeyExistsError,
+    KeyNotFoundError,
     KVError,
 )
 from rdzv_core.kv import Entry, Event, KVBackend, call_budget, parse_counter
@@ -80,7 +80,7 @@ class _Pool:
             self._idle, self._lock, self._pid = [], threading.Lock(), os.getpid()
         with self._lock:
             if self.closed:
-                raise BackendClosed(f"file backend for {self.path!r} is closed")
+                raise BackendClosedError(f"file backend for {self.path!r} is closed")
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = _connect(self.path, self.timeout)
@@ -120,12 +120,12 @@ class FileBackend(KVBackend):
         directory: absolute path of the store's directory (str); created (mode
             0700) if missing. The store is ``directory/rdzv.sqlite3``.
         operation_timeout: seconds an operation may wait for the write lock
-            (float > 0) before raising :class:`~rdzv_core.errors.BackendTimeout`.
+            (float > 0) before raising :class:`~rdzv_core.errors.BackendTimeoutError`.
 
     Raises:
         InvalidURLError: ``directory`` is not absolute, or ``operation_timeout`` is not > 0.
         BackendConnectionError: the directory or file cannot be created or opened.
-        CorruptEntry: (``key=None``) the file is not an SQLite database, or not an rdzv store.
+        CorruptEntryError: (``key=None``) the file is not an SQLite database, or not an rdzv store.
         KVError: the file is an rdzv store of another format version.
     """
 
@@ -185,7 +185,7 @@ class FileBackend(KVBackend):
             yield
         except sqlite3.Error as exc:
             if self._closed and isinstance(exc, sqlite3.ProgrammingError):
-                raise BackendClosed(f"{self!r} is closed") from exc
+                raise BackendClosedError(f"{self!r} is closed") from exc
             raise map_error(exc, self.path, self.operation_timeout, time.monotonic() - start) from exc
 
     def _write(self, body: Callable[[_Txn], T], conn: sqlite3.Connection | None = None) -> T:
@@ -220,7 +220,7 @@ class FileBackend(KVBackend):
         def build(rows: list[tuple[object, ...]], revision: int) -> float | None:
             _, _, found, value, rev, expires = rows[0]
             if found is None:
-                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+                raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
             expiry = _check_row(self.path, key, (value, rev, expires))[2]
             return None if expiry is None else max(0.0, expiry - time.time())
 
@@ -242,7 +242,7 @@ class FileBackend(KVBackend):
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
         def body(txn: _Txn) -> Entry:
             if txn.row(key) is not None:
-                raise KeyExists(f"key {key!r} exists", key)
+                raise KeyExistsError(f"key {key!r} exists", key)
             return txn.write(key, value, txn.expiry(ttl))
 
         return self._write(body)
@@ -276,7 +276,7 @@ class FileBackend(KVBackend):
     def _do_refresh(self, key: str, ttl: float) -> None:
         def body(txn: _Txn) -> None:
             if txn.row(key) is None:
-                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+                raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
             txn.conn.execute("UPDATE kv SET expires = ? WHERE key = ?", (txn.now + ttl, key))
 
         self._write(body)
@@ -321,14 +321,14 @@ class FileBackend(KVBackend):
                 rows = conn.execute(sql, (after, *args)).fetchall()
                 revision, _ = _head(rows[0][0], rows[0][1], self.path)
         if after < revision - HISTORY_LIMIT:
-            raise HistoryCompacted(_compacted_message(after, revision), prefix)
+            raise HistoryCompactedError(_compacted_message(after, revision), prefix)
         events: list[Event] = []
         for _, _, rev, type_, key, value in rows:
             if rev is None:  # the one row of an empty result
                 continue
             try:
                 events.append(_event(self.path, rev, type_, key, value))
-            except CorruptEntry:
+            except CorruptEntryError:
                 if events:
                     return events, events[-1].revision  # the good ones first; the next watch raises
                 raise

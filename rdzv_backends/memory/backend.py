@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from rdzv_backends._waiters import Waiter, WaiterRegistry
 from rdzv_backends.memory import CAPABILITIES
-from rdzv_core.errors import CompareFailed, HistoryCompacted, KeyExists, KeyNotFound
+from rdzv_core.errors import CompareFailedError, HistoryCompactedError, KeyExistsError, KeyNotFoundError
 from rdzv_core.kv import Entry, Event, EventType, KVBackend, parse_counter
 
 __all__ = ["MemoryBackend", "HISTORY_LIMIT", "WATCH_BATCH", "WAKE_TOKENS"]
@@ -200,9 +200,9 @@ class _Keyspace:
     def check_revision(self, key: str, expected: int) -> tuple[bytes, int, float | None]:
         item = self.live(key)
         if item is None:
-            raise KeyNotFound(f"key {key!r} not found", key)
+            raise KeyNotFoundError(f"key {key!r} not found", key)
         if item[1] != expected:
-            raise CompareFailed(
+            raise CompareFailedError(
                 f"key {key!r} is at revision {item[1]}, not {expected}", key, expected, item[1]
             )
         return item
@@ -268,7 +268,7 @@ class MemoryBackend(KVBackend):
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
         with self._ks.guard:
             if self._ks.live(key) is not None:
-                raise KeyExists(f"key {key!r} exists", key)
+                raise KeyExistsError(f"key {key!r} exists", key)
             return self._ks.write(key, value, ttl)
 
     def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry:
@@ -297,7 +297,7 @@ class MemoryBackend(KVBackend):
         with self._ks.guard:
             item = self._ks.live(key)
             if item is None:
-                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+                raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
             expires = time.monotonic() + ttl
             self._ks.data[key] = (item[0], item[1], expires)
             self._ks.schedule(key, expires)
@@ -306,7 +306,7 @@ class MemoryBackend(KVBackend):
         with self._ks.guard:
             item = self._ks.live(key)
         if item is None:
-            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
         return None if item[2] is None else max(0.0, item[2] - time.monotonic())
 
     def _do_add(self, key: str, delta: int) -> int:
@@ -322,7 +322,7 @@ class MemoryBackend(KVBackend):
         with ks.guard:
             ks.expire()
             if ks.history and after_revision < ks.history[0].revision - 1:
-                raise HistoryCompacted(
+                raise HistoryCompactedError(
                     f"events after revision {after_revision} were compacted "
                     f"(oldest kept: {ks.history[0].revision})",
                     prefix,

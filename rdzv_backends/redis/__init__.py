@@ -75,7 +75,7 @@ def _open(url: RendezvousURL) -> RedisBackend:
     Raises:
         InvalidURLError: more than one host; TLS options without ``rediss``; a TLS file problem.
         UnknownBackendError: redis-py is not installed.
-        BackendUnavailable: see :class:`RedisBackend`.
+        BackendUnavailableError: see :class:`RedisBackend`.
     """
     if len(url.hosts) != 1:
         raise InvalidURLError(
@@ -110,7 +110,7 @@ def _open_sentinel(url: RendezvousURL) -> SentinelBackend:
     Raises:
         InvalidURLError: ``master_name`` missing.
         UnknownBackendError: redis-py is not installed.
-        BackendUnavailable: see :class:`SentinelBackend`.
+        BackendUnavailableError: see :class:`SentinelBackend`.
     """
     with _needs_redis_py(url.scheme):
         from rdzv_backends.redis.sentinel import open_sentinel_url

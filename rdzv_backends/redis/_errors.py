@@ -14,8 +14,8 @@ from rdzv_backends._tls import certificate_error, refused_certificate
 from rdzv_backends.redis._config import TLSFiles
 from rdzv_core.errors import (
     BackendConnectionError,
-    BackendTimeout,
-    CorruptEntry,
+    BackendTimeoutError,
+    CorruptEntryError,
     InvalidURLError,
     KVError,
     RdzvError,
@@ -28,7 +28,7 @@ _SCRIPT_SUFFIX = re.compile(r"\s*script: \w+, on @user_script:\d+\.?\s*$")
 _AFTER_DELETE = {
     "#rev": "nothing is lost without it (revisions go on after the log's last)",
     "#epoch": "nothing is lost without it",
-    "#log": "without it, the event history is lost: watchers get HistoryCompacted and re-read",
+    "#log": "without it, the event history is lost: watchers get HistoryCompactedError and re-read",
     "#ttl": "without it, keys with a TTL expire in Redis alone, each recorded when a client next touches it",
     "#last": "nothing is lost without it (watches read the log until the next write starts it again)",
 }
@@ -63,7 +63,7 @@ class _ErrorMap:
             return InvalidURLError("password", "***", f"{where} rejected user {user!r} with the given password: "
                                    f"{text}")
         if isinstance(exc, errors.TimeoutError):
-            return BackendTimeout(f"{where} did not answer within {budget_text(self.operation_timeout)}: "
+            return BackendTimeoutError(f"{where} did not answer within {budget_text(self.operation_timeout)}: "
                                   f"{text}", key)
         if isinstance(exc, errors.ConnectionError):
             verify = _find_cause(exc, ssl.SSLCertVerificationError)
@@ -81,7 +81,7 @@ class _ErrorMap:
             if "Invalid Database" in text:
                 return InvalidURLError("db", self.db, f"{where} has no such database")
             if "No connection available" in text:
-                return BackendTimeout(f"all max_connections={self.max_connections} connections to {where} stayed "
+                return BackendTimeoutError(f"all max_connections={self.max_connections} connections to {where} stayed "
                                       f"busy for {budget_text(self.operation_timeout)}", key)
             return BackendConnectionError(f"cannot reach {where}: {text}", key)
         if isinstance(exc, errors.ReadOnlyError):
@@ -92,22 +92,22 @@ class _ErrorMap:
             return self.corrupt(_SCRIPT_SUFFIX.sub("", text))
         if isinstance(exc, errors.ResponseError) and "WRONGTYPE" in text:
             # Only where no check of ours ran first: some key of the namespace holds another type.
-            return CorruptEntry(f"{where}: a Redis key of namespace {self.prefix!r} holds another type than "
+            return CorruptEntryError(f"{where}: a Redis key of namespace {self.prefix!r} holds another type than "
                                 f"this backend wrote there ({text}); see docs/backends/redis.md, 'Corrupt storage'",
                                 None)
         if isinstance(exc, errors.RedisError):
             return KVError(f"{where} answered with an error: {text}", key)
         return None
 
-    def corrupt(self, text: str) -> CorruptEntry:
-        """The :class:`CorruptEntry` for a script's ``CORRUPT KEY|BOOK|MEMBER ...`` error; for the
+    def corrupt(self, text: str) -> CorruptEntryError:
+        """The :class:`CorruptEntryError` for a script's ``CORRUPT KEY|BOOK|MEMBER ...`` error; for the
         bookkeeping, the message ends with the ``redis-cli`` command that removes the bad data."""
         kind, _, rest = text[len("CORRUPT "):].partition(" ")
         name, _, why = rest.partition(" ")
         where = self.where
         if kind == "KEY":
             redis_key = self.prefix + "k/" + name
-            return CorruptEntry(f"{where}: key {name!r} (Redis key {redis_key!r}) {why}: not written by rdzv; "
+            return CorruptEntryError(f"{where}: key {name!r} (Redis key {redis_key!r}) {why}: not written by rdzv; "
                                 f"delete the key (KVBackend.delete, or `rdzv reset`)", name)
         cli = f"redis-cli -h {self.host} -p {self.port} -n {self.db}"
         if kind == "MEMBER":
@@ -116,16 +116,16 @@ class _ErrorMap:
             printable = member.isascii() and member.decode().isprintable()
             fix = (f"ZREM {shlex.quote(name)} {shlex.quote(member.decode())}" if printable
                    else f"DEL {shlex.quote(name)}")
-            return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} holds the member {member!r}, "
+            return CorruptEntryError(f"{where}: this backend's bookkeeping key {name!r} holds the member {member!r}, "
                                 f"which {why}: not written by rdzv; remove it: {cli} {fix}", None)
         if name[len(self.prefix):] == "#keys":  # the index cannot be rebuilt: clear the whole namespace
             pattern = shlex.quote(self.prefix.replace("*", "\\*") + "*")
-            return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
+            return CorruptEntryError(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
                                 f"it indexes every key of the namespace and cannot be rebuilt, so delete the whole "
                                 f"namespace (every run in it): {cli} --scan --pattern {pattern} | xargs {cli} DEL",
                                 None)
         cost = _AFTER_DELETE.get(name[len(self.prefix):], "")
-        return CorruptEntry(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
+        return CorruptEntryError(f"{where}: this backend's bookkeeping key {name!r} {why}: not written by rdzv; "
                             f"{cost}; delete it: {cli} DEL {shlex.quote(name)}", None)
 
 
@@ -145,6 +145,6 @@ def _copy_error(error: RdzvError, key: str) -> RdzvError:
     copy = type(error).__new__(type(error))
     copy.__dict__.update(error.__dict__)
     copy.args = error.args
-    if isinstance(copy, KVError) and not isinstance(copy, CorruptEntry):  # CorruptEntry names its own key
+    if isinstance(copy, KVError) and not isinstance(copy, CorruptEntryError):  # CorruptEntryError names its own key
         copy.key = key
     return copy

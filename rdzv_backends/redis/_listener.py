@@ -23,7 +23,7 @@ import redis
 
 from rdzv_backends.redis._errors import _copy_error, _ErrorMap
 from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
-from rdzv_core.errors import BackendClosed, BackendConnectionError, BackendTimeout, InvalidKeyError, RdzvError
+from rdzv_core.errors import BackendClosedError, BackendConnectionError, BackendTimeoutError, InvalidKeyError, RdzvError
 from rdzv_core.kv import Event, EventType, KVBackend, check_key
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,9 @@ class _Notifier:
         take effect.
 
         Raises:
-            BackendClosed: ``owner`` was closed.
-            BackendTimeout: the subscription did not take effect within ``operation_timeout``.
-            BackendUnavailable, KVError: the listener failed (mapped as every call's errors are).
+            BackendClosedError: ``owner`` was closed.
+            BackendTimeoutError: the subscription did not take effect within ``operation_timeout``.
+            BackendUnavailableError, KVError: the listener failed (mapped as every call's errors are).
         """
         with self._lock:
             channel = self._channel_locked(prefix)
@@ -176,7 +176,7 @@ class _Notifier:
                     lambda: channel.confirmed_at is not None or waiter.error is not None or owner._closed, limit
                 ) and limit < patience:
                     self._remove_locked(waiter)
-                    raise BackendTimeout(f"{self._errmap.where} did not confirm a "
+                    raise BackendTimeoutError(f"{self._errmap.where} did not confirm a "
                                          f"subscription within operation_timeout={limit}s", prefix)
             if channel.confirmed_at is None or channel.confirmed_at >= polled_at or channel.last_rev > after:
                 # It may have missed an event: poll again, from `after` (hint 0: a message heard
@@ -186,7 +186,7 @@ class _Notifier:
         if waiter.error is not None or owner._closed:
             self.remove(waiter)
             if owner._closed:
-                raise BackendClosed("RedisBackend is closed", prefix)
+                raise BackendClosedError("RedisBackend is closed", prefix)
             raise _copy_error(cast(RdzvError, waiter.error), prefix) from waiter.error
         return waiter
 
@@ -200,12 +200,12 @@ class _Notifier:
         before the first revision announced.
 
         Raises:
-            BackendClosed: ``owner`` was closed.
+            BackendClosedError: ``owner`` was closed.
         """
         with self._lock:
             channel = self._channel_locked(prefix)
             if owner._closed:
-                raise BackendClosed("RedisBackend is closed", prefix)
+                raise BackendClosedError("RedisBackend is closed", prefix)
             covered_from = channel.covered_from
             # (From 0, an empty history: `after` may come from one the server lost; a poll tells.)
             if channel.confirmed_at is None or covered_from is None or after < covered_from or (
@@ -231,7 +231,7 @@ class _Notifier:
 
     def _channel_locked(self, prefix: str) -> _Channel:
         if self._closed:
-            raise BackendClosed("RedisBackend is closed", prefix)
+            raise BackendClosedError("RedisBackend is closed", prefix)
         name = self._watch + prefix.encode()
         channel = self._channels.get(name)
         if channel is None:

@@ -24,7 +24,7 @@ _POOL_RECHECK = 0.05
 class _Pool:
     """Connections of one backend: idle ones last-in first-out, at most ``limit``; a call waits up
     to ``timeout`` seconds for a free one (then redis-py's ``ConnectionError("No connection
-    available.")``, mapped to :class:`~rdzv_core.errors.BackendTimeout`). A forked child forgets
+    available.")``, mapped to :class:`~rdzv_core.errors.BackendTimeoutError`). A forked child forgets
     the parent's connections (it must not share their sockets).
     """
 

@@ -34,14 +34,14 @@ from rdzv_backends.redis._listener import _Notifier, _Waiter
 from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SCRIPTS, HISTORY_LIMIT
 from rdzv_backends.redis._pool import _Pool, _stale
 from rdzv_core.errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    CompareFailed,
-    CorruptEntry,
-    HistoryCompacted,
+    CompareFailedError,
+    CorruptEntryError,
+    HistoryCompactedError,
     InvalidURLError,
-    KeyExists,
-    KeyNotFound,
+    KeyExistsError,
+    KeyNotFoundError,
     KVError,
 )
 from rdzv_core.kv import Entry, Event, EventType, KVBackend, call_budget
@@ -76,7 +76,7 @@ class RedisBackend(KVBackend):
 
     Raises:
         BackendConnectionError: the server refused or dropped the connection (``open`` pings).
-        BackendTimeout: the server did not answer within ``operation_timeout``.
+        BackendTimeoutError: the server did not answer within ``operation_timeout``.
         InvalidURLError: the server rejected the password (``password``) or the database
             number (``db``), or its TLS certificate did not verify (``cacert``) or was issued
             for another name (``host``).
@@ -211,16 +211,16 @@ class RedisBackend(KVBackend):
     @contextlib.contextmanager
     def _translate(self, key: str | None) -> Iterator[None]:
         """Map redis-py errors onto :mod:`rdzv_core.errors`; anything raised by a call that
-        :meth:`close` cut short becomes :class:`~rdzv_core.errors.BackendClosed`."""
+        :meth:`close` cut short becomes :class:`~rdzv_core.errors.BackendClosedError`."""
         try:
             yield
         except Exception as exc:
             if self._closed:
-                raise BackendClosed(f"{type(self).__name__} was closed during the call", key) from exc
+                raise BackendClosedError(f"{type(self).__name__} was closed during the call", key) from exc
             mapped = self._errmap.map(exc, key)
             if mapped is None:
                 raise
-            raise mapped from (None if isinstance(mapped, (InvalidURLError, CorruptEntry)) else exc)
+            raise mapped from (None if isinstance(mapped, (InvalidURLError, CorruptEntryError)) else exc)
 
     def _call(self, *command: Any) -> Any:
         """Send one command on a pooled connection and return the server's raw (RESP2) reply.
@@ -275,7 +275,7 @@ class RedisBackend(KVBackend):
         with self._translate(key):
             ms = int(cast(int, self._call("PTTL", self._data + key)))
         if ms == -2:
-            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
         return None if ms < 0 else ms / 1000.0
 
     def _do_get(self, key: str) -> Entry | None:
@@ -302,7 +302,7 @@ class RedisBackend(KVBackend):
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
         status, rev = self._run_key("create", key, value, _ttl_ms(ttl))
         if status == 0:
-            raise KeyExists(f"key {key!r} exists (revision {rev})", key)
+            raise KeyExistsError(f"key {key!r} exists (revision {rev})", key)
         return Entry(key, value, int(rev))
 
     def _do_put(self, key: str, value: bytes, ttl: float | None) -> Entry:
@@ -321,14 +321,14 @@ class RedisBackend(KVBackend):
 
     def _do_refresh(self, key: str, ttl: float) -> None:
         if not self._run_key("refresh", key, _ttl_ms(ttl)):
-            raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+            raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
 
     def _do_add(self, key: str, delta: int) -> int:
         if not _INT64[0] <= delta <= _INT64[1]:
             raise KVError(f"add({key!r}, {delta}): Redis counters are 64-bit signed integers", key)
         result = self._run("add", key, key, delta, extra_key=self._scratch)
         if result[0] == 0:
-            raise CorruptEntry(f"value at {key!r} is not a decimal integer (add stores ASCII decimal); "
+            raise CorruptEntryError(f"value at {key!r} is not a decimal integer (add stores ASCII decimal); "
                                f"delete it to recover", key)
         if result[0] == 1:
             raise KVError(f"add({key!r}, {delta}) leaves the 64-bit range: {result[1]}", key)
@@ -387,14 +387,14 @@ class RedisBackend(KVBackend):
                         raise _copy_error(waiter.error, prefix) from waiter.error
                 elif covered and waiter.hint is None:
                     # Nothing was announced, so nothing under the prefix came: only check that the
-                    # history still reaches `after` (HistoryCompacted if the server lost its data).
+                    # history still reaches `after` (HistoryCompactedError if the server lost its data).
                     result = self._run("poll", prefix, after_revision, prefix, 1, after)
                     if result[0] == -1:
                         raise _history_lost(prefix, after_revision, result[1].decode(), int(result[2]))
                     return [_event(item) for item in result[3]]
                 start, woken = after, True
             return []
-        except BackendClosed:
+        except BackendClosedError:
             return []  # close() ended the watch
         finally:
             if waiter is not None:
@@ -422,10 +422,10 @@ def _ttl_ms(ttl: float | None) -> str:
 
 def _check_compare(key: str, expected: int, result: Sequence[Any]) -> None:
     if result[0] == 0:
-        raise KeyNotFound(f"key {key!r} not found", key)
+        raise KeyNotFoundError(f"key {key!r} not found", key)
     if result[0] == 1:
         actual = int(result[1])
-        raise CompareFailed(f"key {key!r} is at revision {actual}, not {expected}", key, expected, actual)
+        raise CompareFailedError(f"key {key!r} is at revision {actual}, not {expected}", key, expected, actual)
 
 
 def _event(item: Sequence[Any]) -> Event:
@@ -435,7 +435,7 @@ def _event(item: Sequence[Any]) -> Event:
     return Event(EventType.DELETE, key, rev)
 
 
-def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCompacted:
+def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCompactedError:
     if why == "trimmed":
         detail = f"the log was trimmed (next kept: {revision})"
     elif why == "diverged":
@@ -445,7 +445,7 @@ def _history_lost(prefix: str, after: int, why: str, revision: int) -> HistoryCo
         detail = f"the server's revision is {revision}, behind it: it lost data (restart without persistence?)"
     else:
         detail = f"this history began at revision {revision}: the server lost the one before"
-    return HistoryCompacted(f"events after revision {after} are gone: {detail}; re-read", prefix)
+    return HistoryCompactedError(f"events after revision {after} are gone: {detail}; re-read", prefix)
 
 
 _FROM_URL: Any = object()
@@ -460,7 +460,7 @@ def open_url(url: RendezvousURL, tls: TLSFiles | None = _FROM_URL) -> RedisBacke
 
     Raises:
         InvalidURLError: TLS options without ``rediss``; a TLS file problem.
-        BackendUnavailable: see :class:`RedisBackend`.
+        BackendUnavailableError: see :class:`RedisBackend`.
     """
     host, port = url.hosts[0]
     params = url.params

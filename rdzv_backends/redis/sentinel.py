@@ -99,7 +99,7 @@ class SentinelBackend(RedisBackend):
     Raises:
         BackendConnectionError: no sentinel names a master that is up (``MasterNotFoundError``),
             or the master refused the connection (``open`` pings).
-        BackendTimeout, InvalidURLError: as :class:`RedisBackend`.
+        BackendTimeoutError, InvalidURLError: as :class:`RedisBackend`.
     """
 
     def __init__(
@@ -181,7 +181,7 @@ def open_sentinel_url(url: RendezvousURL) -> SentinelBackend:
 
     Raises:
         InvalidURLError: ``master_name`` missing.
-        BackendUnavailable: see :class:`SentinelBackend`.
+        BackendUnavailableError: see :class:`SentinelBackend`.
     """
     params = url.params
     master_name = params.get(MASTER_NAME_KEY)

@@ -82,7 +82,7 @@ def open_postgres(url: RendezvousURL) -> "PostgresBackend":
     Raises:
         InvalidURLError: not exactly one host; path segments before the run id; a bad query value.
         UnknownBackendError: psycopg is not installed.
-        BackendUnavailable: the server cannot be reached (see :class:`PostgresBackend`).
+        BackendUnavailableError: the server cannot be reached (see :class:`PostgresBackend`).
     """
     if len(url.hosts) != 1:
         raise InvalidURLError(

@@ -38,16 +38,16 @@ How it works
     * **History**: ``NS_events`` keeps the last ``history_limit`` events
       (default :data:`HISTORY_LIMIT`); trimming records the highest revision
       removed in ``NS_meta.compacted``, and a watch from an older revision
-      raises :class:`~rdzv_core.errors.HistoryCompacted`.
+      raises :class:`~rdzv_core.errors.HistoryCompactedError`.
     * **Connections**: a small pool per backend object (autocommit; each
       connection used by one thread at a time). ``operation_timeout`` (seconds,
       default 10) is the connect timeout and the server-side
       ``statement_timeout`` and ``lock_timeout``; exceeding it raises
-      :class:`~rdzv_core.errors.BackendTimeout`. A server that stops answering
+      :class:`~rdzv_core.errors.BackendTimeoutError`. A server that stops answering
       altogether (``SIGSTOP``, a silent network) cannot enforce those, so a
       client-side watchdog (one thread per process) shuts the socket of a call
       still running ``2 * operation_timeout + 1`` seconds after it began (a
-      watch: its ``timeout`` later): the call raises ``BackendTimeout`` and the
+      watch: its ``timeout`` later): the call raises ``BackendTimeoutError`` and the
       connection is dropped from the pool.
 
 Server requirements: PostgreSQL >= 12 (15 tested). The user needs ``CREATE``
@@ -74,14 +74,14 @@ from psycopg import errors as pg_errors
 from . import CAPABILITIES as _CAPABILITIES
 
 from rdzv_core.errors import (
-    BackendClosed,
+    BackendClosedError,
     BackendConnectionError,
-    BackendTimeout,
-    CompareFailed,
-    HistoryCompacted,
+    BackendTimeoutError,
+    CompareFailedError,
+    HistoryCompactedError,
     InvalidURLError,
-    KeyExists,
-    KeyNotFound,
+    KeyExistsError,
+    KeyNotFoundError,
     KVError,
     RdzvError,
 )
@@ -320,9 +320,10 @@ class _Txn:
 
     def check_revision(self, key: str, expected: int) -> _Row:
         if self.row is None:
-            raise KeyNotFound(f"key {key!r} not found", key)
+            raise KeyNotFoundError(f"key {key!r} not found", key)
         if self.row[1] != expected:
-            raise CompareFailed(f"key {key!r} is at revision {self.row[1]}, not {expected}", key, expected, self.row[1])
+            raise CompareFailedError(f"key {key!r} is at revision {self.row[1]}, not {expected}", key, expected,
+                                     self.row[1])
         return self.row
 
     def finish(self, history_limit: int) -> None:
@@ -371,7 +372,7 @@ class _Pool:
                 self._orphans += self._idle
                 self._idle, self._pid = [], os.getpid()
             if self.closed:
-                raise BackendClosed("postgresql backend is closed")
+                raise BackendClosedError("postgresql backend is closed")
             conn = self._idle.pop() if self._idle else None
         if conn is None:
             conn = self._connect()
@@ -415,7 +416,7 @@ class PostgresBackend(KVBackend):
     Raises:
         InvalidURLError: a bad ``namespace``, ``history_limit`` or ``operation_timeout``;
             the server rejected the user/password; the database does not exist.
-        BackendConnectionError, BackendTimeout: the server cannot be reached.
+        BackendConnectionError, BackendTimeoutError: the server cannot be reached.
         KVError: the tables exist but hold another store format, or the user lacks privileges.
     """
 
@@ -491,9 +492,9 @@ class PostgresBackend(KVBackend):
                         yield pooled
         except psycopg.Error as exc:
             if self._closed:
-                raise BackendClosed(f"{type(self).__name__} was closed during the call", key) from exc
+                raise BackendClosedError(f"{type(self).__name__} was closed during the call", key) from exc
             if alarm is not None and alarm.fired:
-                raise BackendTimeout(
+                raise BackendTimeoutError(
                     f"postgresql at {self.host}:{self.port} stopped answering: the call was cut after "
                     f"2 * operation_timeout + 1 = {2 * self.operation_timeout + 1:g}s", key
                 ) from None
@@ -504,7 +505,7 @@ class PostgresBackend(KVBackend):
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         state = exc.sqlstate or ""
         if isinstance(exc, _TIMEOUTS):
-            return BackendTimeout(f"{where} did not answer within operation_timeout={self.operation_timeout}s: "
+            return BackendTimeoutError(f"{where} did not answer within operation_timeout={self.operation_timeout}s: "
                                   f"{text}", key)
         if state in ("28P01", "28000") or "password authentication failed" in text:
             return InvalidURLError("password", "***", f"{where} rejected the user/password: {text}")
@@ -569,7 +570,7 @@ class PostgresBackend(KVBackend):
     def _do_create(self, key: str, value: bytes, ttl: float | None) -> Entry:
         def body(txn: _Txn) -> Entry:
             if txn.row is not None:
-                raise KeyExists(f"key {key!r} exists (revision {txn.row[1]})", key)
+                raise KeyExistsError(f"key {key!r} exists (revision {txn.row[1]})", key)
             return txn.write(key, value, txn.expiry(ttl))
 
         return self._write(key, body)
@@ -603,7 +604,7 @@ class PostgresBackend(KVBackend):
     def _do_refresh(self, key: str, ttl: float) -> None:
         def body(txn: _Txn) -> None:
             if txn.row is None:
-                raise KeyNotFound(f"key {key!r} not found (expired or deleted)", key)
+                raise KeyNotFoundError(f"key {key!r} not found (expired or deleted)", key)
             expires = txn.expiry(ttl)
             txn.cur.execute(self._sql.refresh, {"expires": expires, "key": key})
             old = txn.row[2]
@@ -633,12 +634,12 @@ class PostgresBackend(KVBackend):
                     rows = conn.execute(query, {**args, "after": scanned}).fetchall()  # type: ignore[arg-type]
                     head, compacted, until_expiry = int(rows[0][0]), int(rows[0][1]), rows[0][2]
                     if scanned < compacted:
-                        raise HistoryCompacted(
+                        raise HistoryCompactedError(
                             f"events after revision {scanned} were compacted (oldest kept: {compacted + 1}); re-read",
                             prefix,
                         )
                     if scanned > head:
-                        raise HistoryCompacted(
+                        raise HistoryCompactedError(
                             f"revision {scanned} is ahead of the store's ({head}): its tables were recreated; re-read",
                             prefix,
                         )

@@ -21,8 +21,8 @@ import rdzv_postgres
 from conformance_tests.servers import free_port
 from rdzv_core import (
     BackendConnectionError,
-    BackendTimeout,
-    BackendUnavailable,
+    BackendTimeoutError,
+    BackendUnavailableError,
     InvalidURLError,
     KVBackend,
     list_backends,
@@ -115,7 +115,7 @@ def test_kill_and_restart_keeps_data_and_clients_recover(server: PostgresServer)
     try:
         entry = kv.put("k", b"before")
         server.kill()
-        with pytest.raises(BackendUnavailable):
+        with pytest.raises(BackendUnavailableError):
             kv.get("k")
         server.start()
         # The pool dropped the broken connection; the next call connects anew (maybe after one more failure).
@@ -123,7 +123,7 @@ def test_kill_and_restart_keeps_data_and_clients_recover(server: PostgresServer)
             try:
                 got = kv.get("k")
                 break
-            except BackendUnavailable:
+            except BackendUnavailableError:
                 continue
         else:
             pytest.fail("the client never recovered after the server came back")
@@ -141,7 +141,7 @@ def test_paused_server_is_a_timeout_not_a_hang(server: PostgresServer) -> None:
         server.pause()
         try:
             started = time.monotonic()
-            with pytest.raises(BackendTimeout):
+            with pytest.raises(BackendTimeoutError):
                 kv.get("k")
             assert time.monotonic() - started < 2 * 1 + 1 + 2.0, "the call was not cut at its deadline"
         finally:
