@@ -3,7 +3,7 @@
 One worker process holds ``n_threads`` agents of one *target*:
 
 * an rdzv backend (``memory``, ``file``, ``etcd-v2``, ``etcd-v3``, ``redis``):
-  each agent is an :class:`rdzv_core.handler.RdzvHandler` whose backend is its own
+  each agent is an :class:`rdzv_core.torch_api.handler.RdzvHandler` whose backend is its own
   :class:`~benchmarks.counting.CountingKV` proxy over ONE client shared by the
   process (one connection pool per process, as threads of one agent process
   would share it); the *victim* of the re-rendezvous scenario has a client of its
@@ -94,7 +94,7 @@ class _Worker:
 
             if target.get("client_mode", "shared") == "shared":
                 self.shared = open_backend(target["url"])
-            import rdzv_core.handler  # noqa: F401  (import torch now, not inside the timed section)
+            import rdzv_core.torch_api.handler  # noqa: F401  (import torch now, not inside the timed section)
         elif self.kind == "torch":
             import torch.distributed.elastic.rendezvous.registry  # noqa: F401
         else:  # "tcpstore": Store throughput only
@@ -117,7 +117,7 @@ class _Worker:
 
     def _make_rdzv(self, spec: dict[str, Any], victim: bool) -> _Agent:
         from rdzv_core import open_backend
-        from rdzv_core.handler import RdzvHandler
+        from rdzv_core.torch_api.handler import RdzvHandler
         from rdzv_core.rendezvous import RendezvousParams
 
         own = victim or self.shared is None

@@ -29,7 +29,7 @@ __all__ = ["CountingKV", "READ_OPS", "WRITE_OPS", "KEEPALIVE_THREAD_PREFIX"]
 READ_OPS = ("get", "list", "watch", "tickets")
 #: Operations that write (every one of them advances etcd's/Redis's revision or a TTL).
 WRITE_OPS = ("create", "put", "compare_and_swap", "compare_and_delete", "delete", "refresh", "add", "take_ticket")
-#: Thread-name prefix of the keep-alive scheduler's refresh threads (:mod:`rdzv_core.keepalive`).
+#: Thread-name prefix of the keep-alive scheduler's refresh threads (:mod:`rdzv_core.rendezvous.keepalive`).
 KEEPALIVE_THREAD_PREFIX = "rdzv-keepalive"
 
 

@@ -78,7 +78,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "rdzv-run+warm:etcd-v3": ("rdzv-run", "etcd-v3"),
     "rdzv-run+warm:file": ("rdzv-run", "file"),
 }
-#: Targets whose launchers run with ``--warm-workers`` (:mod:`rdzv_agent.warm`).
+#: Targets whose launchers run with ``--warm-workers`` (:mod:`rdzv_agent.workers.warm`).
 WARM_TARGETS = frozenset(t for t in TARGETS if t.startswith("rdzv-run+warm:"))
 EVENTS = ("kill", "freeze", "leave", "grow", "spare")
 #: setting -> ``last_call_timeout`` given to every target (seconds; ``None``: not given, the handler's default).
@@ -190,7 +190,7 @@ class Job:
         argv = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
                 *(["--warm-workers"] if self.warm else []), *self._rdzv_args(name),
                 TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
-        module = "rdzv_agent.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
+        module = "rdzv_agent.launch.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
         node = self.nodes[name] = Node(argv, module, name, self.workdir, gate)
         return node
 

@@ -1,7 +1,7 @@
 """c10d Store throughput: ``set`` / ``get`` / ``add`` per second, 1 and 8 clients.
 
 Each *client* is a thread with a connection of its own: an
-:class:`rdzv_core.store.KVStore` over its own backend client (``open_backend``),
+:class:`rdzv_core.torch_api.store.KVStore` over its own backend client (``open_backend``),
 or a ``torch.distributed.TCPStore`` client of the TCPStore the parent hosts (the
 baseline). Clients are spread over the worker processes like the agents
 (``memory`` keeps all of them in one process: its keyspace is per process).
@@ -40,7 +40,7 @@ def _open_store(target: dict[str, Any]) -> tuple[Any, Any]:
         store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
         return store, None
     from rdzv_core import open_backend
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     kv = open_backend(target["url"])
     return KVStore(kv, target["prefix"], datetime.timedelta(seconds=60)), kv

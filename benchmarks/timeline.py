@@ -49,7 +49,7 @@ WRAPPER = textwrap.dedent(
         handler = logging.FileHandler(path)
         handler.setFormatter(Line(kind))
         handlers._log_handlers[name] = handler
-    from rdzv_agent.launcher import main
+    from rdzv_agent.launch.launcher import main
     sys.exit(main(sys.argv[3:]))
     """
 )

@@ -71,7 +71,7 @@ def _wait_for(predicate, timeout: float) -> None:
 def _run(warm: bool, nproc: int) -> dict[str, float]:
     out = tempfile.mkdtemp(prefix="warm-bench-")
     env = dict(os.environ, BENCH_OUT=out)
-    argv = [sys.executable, "-m", "rdzv_agent.launcher", "--standalone", "--nproc-per-node", str(nproc),
+    argv = [sys.executable, "-m", "rdzv_agent.launch.launcher", "--standalone", "--nproc-per-node", str(nproc),
             "--max-restarts", "1", "--monitor-interval", "0.1", *(["--warm-workers"] if warm else []),
             os.path.abspath(__file__), "--worker"]
     start = time.time()

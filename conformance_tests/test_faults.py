@@ -206,7 +206,7 @@ def test_server_paused_longer_than_ttl(server: Any, crew, fast_kv, key_prefix: s
     pytest.importorskip("torch")
     import datetime
 
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     members = crew(2, min_nodes=2, max_nodes=2)
     first = round_of([m.start() for m in members], 30)
@@ -377,7 +377,7 @@ def test_after_the_run_keys_are_lost_the_old_round_never_reaches_the_new_ones_ke
     pytest.importorskip("torch")
     import datetime
 
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     kv = fast_kv()
     params = RendezvousParams(min_nodes=1, max_nodes=1, keep_alive_ttl=TTL, last_call_timeout=LAST_CALL,
@@ -421,7 +421,7 @@ CORRUPT_RECORDS = {
 
 
 def _reset(url: str) -> int:
-    from rdzv_core.admin_cli import main
+    from rdzv_admin.cli import main
 
     return main(["reset", url, "--yes"])
 
@@ -527,7 +527,7 @@ def test_value_above_the_limit_fails_at_once(operation: str, kv: KVBackend, key_
     """
     limit = _limit(capabilities)
     pytest.importorskip("torch")
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     too_big = b"\0" * (limit + 1)
     store = KVStore(kv, key_prefix + "store/")
@@ -551,7 +551,7 @@ def test_multi_set_with_one_value_above_the_limit_writes_nothing(kv: KVBackend, 
     """``multi_set`` with one value above ``max_value_bytes`` raises ``ValueTooLargeError`` and writes no key."""
     limit = _limit(capabilities)
     pytest.importorskip("torch")
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     store = KVStore(kv, key_prefix + "store/")
     after = kv.put(key_prefix + "marker", b"").revision

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from rdzv_core import KVBackend  # noqa: E402
-from rdzv_core.store import KVStore  # noqa: E402
+from rdzv_core.torch_api.store import KVStore  # noqa: E402
 
 pytestmark = pytest.mark.store
 

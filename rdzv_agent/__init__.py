@@ -1,7 +1,7 @@
 """rdzv_agent: torchelastic's elastic agent over any ``RendezvousHandler``, and ``rdzv-run``.
 
 The agent knows only torch's ``RendezvousHandler`` interface; ``rdzv-run``
-(:mod:`rdzv_agent.launcher`) builds the handler with
+(:mod:`rdzv_agent.launch.launcher`) builds the handler with
 :func:`rdzv_core.create_handler`.
 
 Public names: the agent API (:mod:`rdzv_agent.api`), :class:`SimpleElasticAgent`
@@ -25,7 +25,7 @@ from .api import (
 )
 from .local import LocalElasticAgent
 from .simple import AgentEvent, SimpleElasticAgent
-from .streams import Std
+from .workers.streams import Std
 
 __all__ = [
     "DEFAULT_ROLE",

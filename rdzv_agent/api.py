@@ -303,7 +303,7 @@ class MonitorResult:
         exceptions: for FAILED, a :class:`WorkerFailure` (or other exception) by
             global rank, for the workers that failed.
         restart: ``False``: a FAILED/UNHEALTHY group must not be restarted, whatever
-            restarts remain (the stuck-process check, :mod:`rdzv_agent.stuck`).
+            restarts remain (the stuck-process check, :mod:`rdzv_agent.supervision.stuck`).
     """
 
     __slots__ = ["state", "ret_vals", "exceptions", "restart"]

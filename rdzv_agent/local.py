@@ -14,7 +14,7 @@ environment variables:
 ``LOCAL_WORLD_SIZE``           workers on this node
 ``GROUP_WORLD_SIZE``           nodes in the round
 ``ROLE_NAME``                  the spec's role
-``MASTER_ADDR``/``MASTER_PORT``  published by group rank 0 (:mod:`rdzv_agent.master`)
+``MASTER_ADDR``/``MASTER_PORT``  published by group rank 0 (:mod:`rdzv_agent.master_address`)
 ``TORCHELASTIC_RESTART_COUNT`` restarts spent on failures so far
 ``TORCHELASTIC_MAX_RESTARTS``  the spec's ``max_restarts``
 ``TORCHELASTIC_RUN_ID``        ``handler.get_run_id()``
@@ -25,26 +25,26 @@ environment variables:
 ``PYTHONUNBUFFERED``           ``1``
 ``TORCH_NCCL_ASYNC_ERROR_HANDLING``  the parent's, else ``1`` (torch's default)
 ``CUDA_VISIBLE_DEVICES``       with ``virtual_local_rank``: the worker's own device, and
-                               ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.worker_options.local_rank_env`)
-``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.watchdog`)
+                               ``LOCAL_RANK`` is 0 (:func:`~rdzv_agent.launch.worker_options.local_rank_env`)
+``TORCHELASTIC_TIMER_FILE``    the watchdog's pipe, with ``ops.file_timer`` (:mod:`rdzv_agent.supervision.watchdog`)
 ``RDZV_PROGRESS_FILE``         where the worker reports its step (:mod:`rdzv_agent.progress`)
-``RDZV_STACK_FILE``            where its Python stacks go on a hang (:mod:`rdzv_agent.hang`)
-``RDZV_REAPER_TOKEN``          with a ``reaper``: marks what the worker starts (:mod:`rdzv_agent.reaper`)
+``RDZV_STACK_FILE``            where its Python stacks go on a hang (:mod:`rdzv_agent.supervision.hang_watch`)
+``RDZV_REAPER_TOKEN``          with a ``reaper``: marks what the worker starts (:mod:`rdzv_agent.workers.reaper`)
 =============================  =====================================================
 
 With ``warm_imports`` (``rdzv-run --warm-workers``) each start of the workers uses the warm
-processes kept ready for it where they can start the worker exactly (:mod:`rdzv_agent.warm`).
+processes kept ready for it where they can start the worker exactly (:mod:`rdzv_agent.workers.warm`).
 
 With ``numa_cpus`` each worker runs under ``numactl --physcpubind`` (``--numa-binding``).
 
-With a ``reaper`` (``rdzv-run``: :mod:`rdzv_agent.reaper`), every stop of the group
+With a ``reaper`` (``rdzv-run``: :mod:`rdzv_agent.workers.reaper`), every stop of the group
 -- restart, membership change, failure, signal, and the end of :meth:`run` after a
 success -- also stops the processes the workers left behind.
 
-Operations hooks (``ops``, :mod:`rdzv_agent.ops`): torch's file-timer watchdog and the
-stuck-process check (:mod:`rdzv_agent.stuck`).
+Operations hooks (``ops``, :mod:`rdzv_agent.supervision.ops_hooks`): torch's file-timer watchdog and the
+stuck-process check (:mod:`rdzv_agent.supervision.stuck`).
 
-Logs: placed by a torch ``LogsSpecs`` (:mod:`rdzv_agent.logs`); by default
+Logs: placed by a torch ``LogsSpecs`` (:mod:`rdzv_agent.workers.log_specs`); by default
 ``LOG_DIR/RUN_ID_xxxx/attempt_N/LOCAL_RANK/{stderr,stdout}.log``, ``N`` =
 ``TORCHELASTIC_RESTART_COUNT`` as in torch (a membership-change restart keeps the
 earlier logs as ``attempt_N.K``).
@@ -63,22 +63,23 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 
 from rdzv_core.errors import ConfigError
 
-from . import master, worker_options
+from . import master_address
+from .launch import worker_options
 from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
-from .hang import DEFAULT_INTERVAL as PROGRESS_INTERVAL
-from .hang import HangWatch
-from .health import Heartbeat
-from .logs import LineFilter, WorkerStreams, line_prefix, make_logs_specs, worker_streams
-from .ops import OpsHooks
-from .process import WorkerProcess, parent_death_hook, stop_processes
-from .reaper import NodeReaper
+from .supervision.hang_watch import DEFAULT_INTERVAL as PROGRESS_INTERVAL
+from .supervision.hang_watch import HangWatch
+from .supervision.health import Heartbeat
+from .workers.log_specs import LineFilter, WorkerStreams, line_prefix, make_logs_specs, worker_streams
+from .supervision.ops_hooks import OpsHooks
+from .workers.process import WorkerProcess, parent_death_hook, stop_processes
+from .workers.reaper import NodeReaper
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
-from .streams import Std
-from .stuck import TIMEOUT_ENV as STUCK_ENV
-from .stuck import UninterruptibleCheck
-from .warm import WarmPool, boot_argv
-from .watchdog import WorkerWatchdog
-from .telemetry import prof
+from .workers.streams import Std
+from .supervision.stuck import TIMEOUT_ENV as STUCK_ENV
+from .supervision.stuck import UninterruptibleCheck
+from .workers.warm import WarmPool, boot_argv
+from .supervision.watchdog import WorkerWatchdog
+from .reporting.torch_events import prof
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
@@ -103,21 +104,22 @@ class LocalElasticAgent(SimpleElasticAgent):
             ``--shutdown-timeout``, default 30): workers hung in a collective may ignore SIGTERM.
         listener, exit_barrier_timeout, heartbeat: see :class:`SimpleElasticAgent`.
         logs_specs: a torch ``LogsSpecs`` placing the files (then ``log_dir``, ``redirects``,
-            ``tee`` and ``local_ranks_filter`` are its own); default :class:`~rdzv_agent.logs.RdzvLogsSpecs`.
+            ``tee`` and ``local_ranks_filter`` are its own); default
+            :class:`~rdzv_agent.workers.log_specs.RdzvLogsSpecs`.
         local_ranks_filter: local ranks whose output reaches the console (``None``: all).
         log_line_prefix_template: console prefix template (``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``).
         duplicate_stdout_filters, duplicate_stderr_filters: tee'd lines containing one of these
             are also written to the attempt's ``filtered_stdout.log``/``filtered_stderr.log``.
         virtual_local_rank: torch's ``WorkerSpec.virtual_local_rank`` (``LOCAL_RANK=0``, own device).
-        numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.worker_options.numa_plan`).
+        numa_cpus: local rank -> CPUs to bind its worker to (:func:`~rdzv_agent.launch.worker_options.numa_plan`).
         ops: the watchdog and stuck-process settings (default: both off); the launcher
-            reads them from torch's variables (:func:`rdzv_agent.ops.ops_from_env`).
+            reads them from torch's variables (:func:`rdzv_agent.supervision.ops_hooks.ops_from_env`).
         hang_timeout: seconds a worker that reported progress may go without before it counts as
-            hung (stacks dumped, a failure: :mod:`rdzv_agent.hang`); ``None``: no check.
+            hung (stacks dumped, a failure: :mod:`rdzv_agent.supervision.hang_watch`); ``None``: no check.
         progress_interval: seconds between two writes of the workers' progress to the backend.
-        reaper: this process is the subreaper of the workers' processes (:mod:`rdzv_agent.reaper`): every stop
+        reaper: this process is the subreaper of the workers' processes (:mod:`rdzv_agent.workers.reaper`): every stop
             of the group also stops what the workers left behind; ``None``: only the workers' trees.
-        warm_imports: keep warm workers (:mod:`rdzv_agent.warm`: started ahead, ``torch`` and these modules
+        warm_imports: keep warm workers (:mod:`rdzv_agent.workers.warm`: started ahead, ``torch`` and these modules
             imported; start them from a thread that outlives them, as cold workers); ``None``: off.
 
     Raises:
@@ -274,7 +276,7 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._global_ranks = {w.local_rank: int(w.global_rank or 0) for w in worker_group.workers}
         argv = [str(spec.fn), *map(str, spec.args)]
         envs = {w.local_rank: self._worker_env(worker_group, w.local_rank) for w in worker_group.workers}
-        network = master.worker_network_env(self._base_env, spec.local_addr, spec.rdzv_handler)
+        network = master_address.worker_network_env(self._base_env, spec.local_addr, spec.rdzv_handler)
         for env in envs.values():
             env.update(network)
         self._watchdog.start(spec.rdzv_handler.get_run_id(), envs.values())
@@ -359,7 +361,7 @@ class LocalElasticAgent(SimpleElasticAgent):
                     error=error,
                     log_path=proc.stderr_path,
                     pid=proc.pid,
-                    master_port_in_use=self._global_ranks[lr] == 0 and master.is_port_in_use_error(error),
+                    master_port_in_use=self._global_ranks[lr] == 0 and master_address.is_port_in_use_error(error),
                     error_file=proc.error_file,
                     timestamp=proc.exited_wall_time,
                 )

@@ -11,7 +11,7 @@ The loop (torchelastic's ``SimpleElasticAgent.run``)::
                                does NOT spend a restart (membership change)
 
 Additions to torchelastic's: group rank 0 publishes MASTER_ADDR/MASTER_PORT through the
-round's store (:mod:`rdzv_agent.master`), unless the handler shares its own store
+round's store (:mod:`rdzv_agent.master_address`), unless the handler shares its own store
 with the workers (``use_agent_store``, e.g. torch's static rendezvous): then the
 workers get that store's address (``bootstrap_store_info``) and
 ``TORCHELASTIC_USE_AGENT_STORE=True``, as with torch's agent. Setup trouble makes the agent
@@ -44,7 +44,7 @@ from torch.distributed.elastic.rendezvous.api import (
 from rdzv_core.errors import ConfigError
 from rdzv_core.outage import OutageLog
 
-from . import coordination, master
+from . import coordination, master_address
 from .api import (
     DEFAULT_ROLE,
     ElasticAgent,
@@ -55,9 +55,9 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
-from .hang import WorkerHang
-from .health import Heartbeat
-from .telemetry import AgentTelemetry, prof, profiled
+from .supervision.hang_watch import WorkerHang
+from .supervision.health import Heartbeat
+from .reporting.torch_events import AgentTelemetry, prof, profiled
 
 __all__ = ["SimpleElasticAgent", "AgentEvent", "MAX_SETUP_RETRIES", "DEFAULT_EXIT_BARRIER_TIMEOUT"]
 
@@ -131,7 +131,7 @@ class SimpleElasticAgent(ElasticAgent):
             round's other agents before it returns (torch's ``exit_barrier_timeout``,
             default 300; 0 skips the barrier). See :attr:`exit_barrier`.
         heartbeat: beaten at each step and monitor pass (the health check's progress,
-            :mod:`rdzv_agent.health`); a new one when ``None``.
+            :mod:`rdzv_agent.supervision.health`); a new one when ``None``.
 
     Raises:
         ConfigError: ``exit_barrier_timeout`` is negative or not a number.
@@ -163,7 +163,7 @@ class SimpleElasticAgent(ElasticAgent):
 
     @property
     def telemetry(self) -> AgentTelemetry:
-        """This agent's torch events and metrics (:mod:`rdzv_agent.telemetry`)."""
+        """This agent's torch events and metrics (:mod:`rdzv_agent.reporting.torch_events`)."""
         return self._telemetry
 
     @property
@@ -264,10 +264,11 @@ class SimpleElasticAgent(ElasticAgent):
         try:
             if not worker_group.use_agent_store:
                 if group_rank == 0:
-                    port = spec.master_port if spec.master_port is not None else master.choose_port()
-                    master.publish(store, master.local_address(spec.local_addr, spec.rdzv_handler), port)
-                raw = coordination.wait_values(store, [master.MASTER_KEY], *wait)[0]
-                worker_group.master_addr, worker_group.master_port = master.decode(raw)
+                    port = spec.master_port if spec.master_port is not None else master_address.choose_port()
+                    address = master_address.local_address(spec.local_addr, spec.rdzv_handler)
+                    master_address.publish(store, address, port)
+                raw = coordination.wait_values(store, [master_address.MASTER_KEY], *wait)[0]
+                worker_group.master_addr, worker_group.master_port = master_address.decode(raw)
             with self._telemetry.duration("ASSIGN_WORKER_RANKS"):
                 self._assign_worker_ranks(worker_group, wait)
         except coordination.SetupTimeout as exc:
@@ -313,7 +314,7 @@ class SimpleElasticAgent(ElasticAgent):
             and not worker_group.use_agent_store  # then the handler's own store holds the port
             and worker_group.spec.master_port is None
             and worker_group.master_port is not None
-            and not master.port_is_free(worker_group.master_port)
+            and not master_address.port_is_free(worker_group.master_port)
         )
 
     @prof

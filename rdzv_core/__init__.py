@@ -117,6 +117,6 @@ def create_handler(url: str | RendezvousURL, **overrides: Any) -> "RendezvousHan
     Raises:
         UnknownBackendError, InvalidURLError: bad URL or value.
     """
-    from .handler import RdzvHandler
+    from .torch_api.handler import RdzvHandler
 
     return RdzvHandler.from_url(url, **overrides)

@@ -31,7 +31,7 @@ Naming rule: every exception class ends in ``Error``.
 
 The rendezvous handler maps these onto torch's ``RendezvousClosedError``,
 ``RendezvousTimeoutError``, ``RendezvousConnectionError`` and
-``RendezvousStateError`` (see :mod:`rdzv_core.handler`); this module itself does
+``RendezvousStateError`` (see :mod:`rdzv_core.torch_api.handler`); this module itself does
 not import torch.
 """
 

@@ -1,8 +1,8 @@
 """Process-wide observers of backend requests and keep-alive refreshes, for metrics (none by default).
 
-An observer (e.g. ``rdzv-run --metrics-port``'s, :mod:`rdzv_agent.prometheus`) is added with
+An observer (e.g. ``rdzv-run --metrics-port``'s, :mod:`rdzv_agent.reporting.prometheus_metrics`) is added with
 :func:`add`; handlers created while one is added time their backend's requests
-(:class:`~rdzv_core.metered.MeteredKV`), and every :class:`~rdzv_core.keepalive.KeepAlive` reports
+(:class:`~rdzv_core.metered.MeteredKV`), and every :class:`~rdzv_core.rendezvous.keepalive.KeepAlive` reports
 its refreshes. Observers are called on the calling thread; what they raise is logged and ignored.
 """
 

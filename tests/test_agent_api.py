@@ -11,10 +11,12 @@ import sys
 import pytest
 
 import rdzv_agent
-from rdzv_agent import launch_args, launch_config, master
+from rdzv_agent import master_address
+from rdzv_agent.launch import args as launch_args
+from rdzv_agent.launch import config as launch_config
 from rdzv_agent.api import MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState, describe_exit
-from rdzv_agent.launcher import main, worker_environment
-from rdzv_agent.streams import Std, error_excerpt, parse_std, std_for_rank
+from rdzv_agent.launch.launcher import main, worker_environment
+from rdzv_agent.workers.streams import Std, error_excerpt, parse_std, std_for_rank
 from rdzv_core.errors import ConfigError
 from rdzv_core.url import RendezvousURL, parse_url
 
@@ -171,17 +173,17 @@ def test_port_in_use_detection():
     torch_text = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local "
                   "network address. port: 1, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
                   "already in use")
-    assert master.is_port_in_use_error(torch_text)
-    assert master.is_port_in_use_error("OSError: [Errno 98] Address already in use")
-    assert not master.is_port_in_use_error("RuntimeError: boom")
+    assert master_address.is_port_in_use_error(torch_text)
+    assert master_address.is_port_in_use_error("OSError: [Errno 98] Address already in use")
+    assert not master_address.is_port_in_use_error("RuntimeError: boom")
 
 
 def test_port_is_free_sees_a_listening_socket():
     with socket.socket() as s:
         s.bind(("", 0))
         s.listen(1)
-        assert not master.port_is_free(s.getsockname()[1])
-    assert master.port_is_free(master.choose_port())
+        assert not master_address.port_is_free(s.getsockname()[1])
+    assert master_address.port_is_free(master_address.choose_port())
 
 
 # -- rdzv-run options -------------------------------------------------------------------------

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from rdzv_agent import coordination  # noqa: E402
 from rdzv_core import open_backend  # noqa: E402
-from rdzv_core.store import KVStore  # noqa: E402
+from rdzv_core.torch_api.store import KVStore  # noqa: E402
 from conformance_tests.test_protocol import run_threads  # noqa: E402
 
 

@@ -18,9 +18,10 @@ import psutil
 import pytest
 
 from agent_workers.harness import HERE, WORKER, Launcher, kill_run, pid_alive, wait_until
-from rdzv_agent import launch_args, launch_config
-from rdzv_agent.launcher import main
-from rdzv_agent.master import choose_port
+from rdzv_agent.launch import args as launch_args
+from rdzv_agent.launch import config as launch_config
+from rdzv_agent.launch.launcher import main
+from rdzv_agent.master_address import choose_port
 from rdzv_core import create_handler
 
 pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
@@ -465,7 +466,7 @@ def test_a_launcher_that_hides_its_password_parses_the_url_once_per_image(tmp_pa
 SWALLOWING_LAUNCHER = """
 import signal, sys
 from rdzv_agent import local
-from rdzv_agent.launcher import main
+from rdzv_agent.launch.launcher import main
 
 started = local.LocalElasticAgent._start_workers
 

@@ -18,7 +18,7 @@ import pytest
 
 from agent_workers.harness import WORKER, pid_alive, wait_until
 from rdzv_agent import LocalElasticAgent, Std, WorkerFailure, WorkerGroupFailureException, WorkerSpec
-from rdzv_agent.master import choose_port
+from rdzv_agent.master_address import choose_port
 from rdzv_core import create_handler
 
 

@@ -224,7 +224,7 @@ def test_files_land_where_torchrun_puts_them(tmp_path) -> None:
     flags = ["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", "--max-restarts", "1",
              "--redirects", "0:3", "--tee", "1:1", "--local-ranks-filter", "1", "--duplicate-stdout-filters", "apple"]
     trees = {}
-    for name, module in (("torchrun", "torch.distributed.run"), ("rdzv", "rdzv_agent.launcher")):
+    for name, module in (("torchrun", "torch.distributed.run"), ("rdzv", "rdzv_agent.launch.launcher")):
         logs = tmp_path / f"logs-{name}"
         launcher = Launcher([*flags, "--log-dir", str(logs), LOG_WORKER, "--out", str(tmp_path / f"out-{name}"),
                              "--fail-first"], str(tmp_path), name, module=module)

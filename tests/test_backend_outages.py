@@ -62,7 +62,7 @@ class Job:
             query = "&".join(f"{k}={v}" for k, v in self.query.items())
             argv = [*common, "--rdzv", f"{self.scheme}://{self.server.address}/{self.run_id}?{query}",
                     "--log-dir", os.path.join(self.workdir, "logs")]
-            module = "rdzv_agent.launcher"
+            module = "rdzv_agent.launch.launcher"
         argv += [TRAINER, "--out", self.out, "--step-sleep", "0.1", "--pg-timeout", "30"]
         if collective:  # an all_reduce every step (else only the first: a lost peer goes unnoticed by the workers)
             argv.append("--collective")

@@ -31,7 +31,7 @@ FAST = 1.0
 @pytest.fixture(scope="module", autouse=True)
 def _imported() -> None:
     """Load torch and the backend registry once, so that the times measure the error, not the first import."""
-    import rdzv_core.handler  # noqa: F401  (imports torch)
+    import rdzv_core.torch_api.handler  # noqa: F401  (imports torch)
     from rdzv_core import list_backends
 
     list_backends()
@@ -114,7 +114,7 @@ def test_bad_input_ipv6_zone_ids(host: str, record_property: Any) -> None:
 @pytest.mark.parametrize("endpoint", ["[fe80::1%eth0]:6379", "[fe80::1%25]:6379"])
 def test_bad_input_ipv6_zone_ids_in_rdzv_endpoint(endpoint: str, record_property: Any) -> None:
     """``rdzv-run --rdzv-endpoint``: the same rule; the error names the option."""
-    from rdzv_agent.launch_config import backend_url
+    from rdzv_agent.launch.config import backend_url
 
     exc, seconds = timed_error(lambda: backend_url("redis", endpoint, "job"))
     record(record_property, f"--rdzv-endpoint {endpoint}", seconds)
@@ -125,7 +125,8 @@ def test_bad_input_ipv6_zone_ids_in_rdzv_endpoint(endpoint: str, record_property
 def test_bad_input_an_empty_rdzv_id_is_named_empty(record_property: Any) -> None:
     """``--rdzv-id ""`` with the other two torchrun-style options: the error names the option and says it is
     empty (it said the three options go together, which they were; found by a new user)."""
-    from rdzv_agent import launch_args, launch_config
+    from rdzv_agent.launch import args as launch_args
+    from rdzv_agent.launch import config as launch_config
 
     argv = ["--rdzv-backend", "redis", "--rdzv-endpoint", "127.0.0.1:6379", "--rdzv-id", "", "train.py"]
     exc, seconds = timed_error(lambda: launch_config.build_config(launch_args.parse_args(argv), {}))
@@ -262,7 +263,7 @@ def test_torchrun_without_rdzv_id_takes_the_schedulers_job_id(rdzv_server_redis:
 def test_bad_input_torchrun_worker_environment_gives_no_run_id(record_property: Any) -> None:
     """A torchrun started by a torchelastic worker inherits its parent's job ids: refused, not merged into the
     parent's run."""
-    from rdzv_core.torchrun import derived_run_id
+    from rdzv_core.torch_api.torchrun import derived_run_id
 
     env = {"TORCHELASTIC_RUN_ID": "parent-job", "TORCHELASTIC_RESTART_COUNT": "0", "SLURM_JOB_ID": "42"}
     exc, seconds = timed_error(lambda: derived_run_id("redis", env))
@@ -280,7 +281,7 @@ def test_bad_input_torchrun_worker_environment_gives_no_run_id(record_property: 
     ({"TORCHELASTIC_RUN_ID": "none", "SLURM_JOB_ID": "5"}, "slurm-5"),
 ])
 def test_derived_run_ids(env: dict[str, str], run_id: str) -> None:
-    from rdzv_core.torchrun import derived_run_id
+    from rdzv_core.torch_api.torchrun import derived_run_id
 
     assert derived_run_id("redis", env)[0] == run_id
 
@@ -290,7 +291,7 @@ def test_memory_keeps_torchs_default_run_id_and_file_refuses_it(monkeypatch: pyt
     directory can be shared by two jobs on one host: ``none`` is refused there too."""
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from rdzv_core.torchrun import handler_url
+    from rdzv_core.torch_api.torchrun import handler_url
 
     for name in JOB_ID_VARIABLES:
         monkeypatch.delenv(name, raising=False)

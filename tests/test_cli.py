@@ -13,11 +13,11 @@ from rdzv_core import Rendezvous, RendezvousParams, open_backend
 # Imported at collection, not inside a test: pytest rewrites this distribution's modules at import (ast.parse), and
 # CPython 3.11's AST state is shared between threads (cpython#106905; 3.11 tracebacks ast.parse their source lines):
 # imported inside a test while other tests' threads ran, it failed twice ("AST constructor recursion depth mismatch").
-from rdzv_core.admin_cli import main
+from rdzv_admin.cli import main
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rdzv_admin.cli", *args], capture_output=True, text=True,
                           timeout=60)
 
 
@@ -163,7 +163,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback() -> None:
     import os
 
     for unbuffered in ("", "1"):
-        proc = subprocess.Popen([sys.executable, "-m", "rdzv_core.admin_cli", "backends"], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "rdzv_admin.cli", "backends"], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": unbuffered})
         assert proc.stdout is not None and proc.stderr is not None
         proc.stdout.close()  # long before the command has imported anything and written
@@ -178,7 +178,7 @@ def test_started_with_stdout_closed_gives_no_traceback() -> None:
     def close_stdout() -> None:
         os.close(1)
 
-    proc = subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", "backends"], stdout=None,
+    proc = subprocess.run([sys.executable, "-m", "rdzv_admin.cli", "backends"], stdout=None,
                           stderr=subprocess.PIPE, preexec_fn=close_stdout, timeout=60)
     assert proc.returncode == 1 and len(proc.stderr.splitlines()) == 1, proc.stderr
     assert b"Traceback" not in proc.stderr

@@ -890,7 +890,7 @@ def test_v2_value_node_on_the_path_of_a_key(etcd: EtcdServer, opener: Callable[[
 
 
 def test_v2_reset_clears_a_directory_at_a_rendezvous_key(etcd: EtcdServer) -> None:
-    from rdzv_core.admin_cli import main
+    from rdzv_admin.cli import main
 
     run_id = "corruptv2"
     root = f"/torchelastic/p2p/run_{run_id}"

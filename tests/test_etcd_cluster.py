@@ -15,7 +15,7 @@ Expected:
   not reached, then the third arrives): the three form one round of 3 within
   :func:`recovery_bound` seconds of the kill; nobody raises.
 * leader killed while a final round runs: a c10d Store ``set``/``get``
-  (:class:`~rdzv_core.store.KVStore`) succeeds within ``operation_timeout`` of the
+  (:class:`~rdzv_core.torch_api.store.KVStore`) succeeds within ``operation_timeout`` of the
   kill; the round stays final -- same record, every keep-alive key present, no
   keep-alive found its key gone, ``num_nodes_waiting()`` 0 for both members --
   until ``TTL + ttl_resolution`` after the kill (a key not refreshed since would
@@ -154,7 +154,7 @@ def test_leader_killed_during_a_final_round(scheme: str, cluster: EtcdCluster, l
     ``test_write_right_after_leader_death_is_not_held_for_the_whole_deadline``).
     """
     pytest.importorskip("torch")
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     members = crew(2, min_nodes=2, max_nodes=2)
     first = round_of([m.start() for m in members], 30)

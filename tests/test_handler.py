@@ -11,7 +11,7 @@ import pytest
 torch_api = pytest.importorskip("torch.distributed.elastic.rendezvous")
 
 from rdzv_core import ConfigError, create_handler  # noqa: E402
-from rdzv_core.handler import RdzvHandler  # noqa: E402
+from rdzv_core.torch_api.handler import RdzvHandler  # noqa: E402
 
 
 @pytest.fixture(params=["memory", "file"])

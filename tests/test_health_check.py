@@ -1,7 +1,7 @@
 """The health check on ``TORCHELASTIC_HEALTH_CHECK_PORT``: real ``rdzv-run`` launchers, real workers, HTTP answers.
 
 torch's own server is a no-op in open source, so nothing here can pass before
-:mod:`rdzv_agent.health`: every test needs an answer on the port (or an exit 2 naming
+:mod:`rdzv_agent.supervision.health`: every test needs an answer on the port (or an exit 2 naming
 the variable).
 """
 
@@ -157,7 +157,7 @@ def test_503_while_the_rendezvous_backend_does_not_answer(launch, tmp_path) -> N
 
 def run_launcher(env: dict[str, str], tmp_path) -> subprocess.CompletedProcess[str]:
     (tmp_path / "ok.py").write_text("pass\n")
-    return subprocess.run([sys.executable, "-m", "rdzv_agent.launcher", "--standalone", str(tmp_path / "ok.py")],
+    return subprocess.run([sys.executable, "-m", "rdzv_agent.launch.launcher", "--standalone", str(tmp_path / "ok.py")],
                           env={**os.environ, **env}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
 
 

@@ -1,4 +1,4 @@
-"""The process-wide keep-alive scheduler (:mod:`rdzv_core.keepalive`), on real backends.
+"""The process-wide keep-alive scheduler (:mod:`rdzv_core.rendezvous.keepalive`), on real backends.
 
 * 200 keys on one scheduler (memory backend, TTL :data:`TTL`): none expires or is
   found gone while watched for several TTLs, and the process runs the scheduler and
@@ -6,7 +6,7 @@
 * refreshes blocked in a black hole (a real ``redis-server`` behind
   :class:`~conformance_tests.proxy.TCPProxy`) do not make keys on a healthy
   backend lapse; the blocked keys' own refreshes resume once the network is back;
-* after :meth:`~rdzv_core.keepalive.KeepAlive.stop` the key is refreshed no more: it
+* after :meth:`~rdzv_core.rendezvous.keepalive.KeepAlive.stop` the key is refreshed no more: it
   expires and is not written again;
 * a ``fork()``-ed child (of a process whose scheduler runs) keeps its own keys alive.
 
@@ -28,7 +28,7 @@ from conformance_tests.test_protocol import quiet
 from conformance_tests.proxy import Mode, TCPProxy
 from rdzv_core import EventType, KVBackend, list_backends, open_backend
 from rdzv_core.errors import ConfigError
-from rdzv_core.keepalive import REFRESH_WORKERS, THREAD_PREFIX, KeepAlive
+from rdzv_core.rendezvous.keepalive import REFRESH_WORKERS, THREAD_PREFIX, KeepAlive
 
 TTL = 1.5  #: keep-alive TTL (seconds): a refresh every 0.5 s, 1 s of slack per refresh on a loaded machine
 
@@ -123,7 +123,7 @@ def test_an_outage_is_one_warning_not_one_per_failed_refresh(
     with TCPProxy(rdzv_server_redis.host, rdzv_server_redis.port) as proxy:
         kv = open_backend(f"redis://{proxy.address}/?operation_timeout=0.5")
         try:
-            caplog.set_level("DEBUG", logger="rdzv_core.keepalive")
+            caplog.set_level("DEBUG", logger="rdzv_core.rendezvous.keepalive")
             (ka,) = _start(kv, [prefix + "k"], 0.6)  # a refresh every 0.2 s; failures retry every 0.05-0.1 s
             proxy.set_mode(Mode.DROP)
             deadline = time.monotonic() + 30
@@ -135,7 +135,7 @@ def test_an_outage_is_one_warning_not_one_per_failed_refresh(
             ka.stop()
         finally:
             kv.close()
-    records = [r for r in caplog.records if r.name == "rdzv_core.keepalive"]
+    records = [r for r in caplog.records if r.name == "rdzv_core.rendezvous.keepalive"]
     levels = [r.levelname for r in records]
     assert levels.count("DEBUG") >= 5, levels  # five or more failures after the first...
     # ...at WARNING once (plus one if the key lapsed in the outage and was written again)

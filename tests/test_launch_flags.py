@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from agent_workers.harness import WORKER, pid_alive, wait_until
-from rdzv_agent.launcher import main
+from rdzv_agent.launch.launcher import main
 from test_agent_launcher import new_run, procs, records, run_is_closed  # noqa: F401  (fixtures)
 
 AFFINITY = textwrap.dedent(

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.membership]
 TRAINER = os.path.join(REPO, "benchmarks", "trainer.py")
 TTL = 2.0  # keep_alive_ttl of these runs (seconds)
 START = 120.0  # seconds for launchers to start, meet and make their first steps (torch imports on 2 cores)
-#: ``--rdzv-backend`` of plain torchrun for each rdzv scheme (see rdzv_core.torchrun).
+#: ``--rdzv-backend`` of plain torchrun for each rdzv scheme (see rdzv_core.torch_api.torchrun).
 TORCHRUN_BACKEND = {"file": "rdzv-file", "redis": "rdzv-redis", "etcd-v2": "rdzv-etcd", "etcd-v3": "rdzv-etcd-v3"}
 
 
@@ -81,7 +81,7 @@ class Job:
         else:
             argv = [*common, "--rdzv", self.backend.url(self.run_id, **self.query),
                     "--log-dir", os.path.join(self.workdir, "logs")]
-            module = "rdzv_agent.launcher"
+            module = "rdzv_agent.launch.launcher"
         argv += [TRAINER, "--out", self.out, "--pg-timeout", str(pg_timeout), *trainer_args]
         if collective:
             argv.append("--collective")

@@ -55,7 +55,7 @@ def job(site, tmp_path):
             scheme = {"etcd-v2": "etcd"}.get(backend, backend)
             return f"{scheme}://{address}/{self.run_id}?keep_alive_ttl=3&timeout=90"
 
-        def start(self, argv: list[str], module: str = "rdzv_agent.launcher",
+        def start(self, argv: list[str], module: str = "rdzv_agent.launch.launcher",
                   per_host: dict[str, list[str]] | None = None, env: dict[str, str] | None = None,
                   gloo_ifname: bool = False) -> list[Launcher]:
             """One launcher per node host; ``per_host[name]`` is put before ``argv`` on that host. gloo picks
@@ -160,7 +160,7 @@ def test_torchrun_on_the_same_hosts_master_addr(site, job, handler):
 
 CHOOSE = """
 import json, sys
-from rdzv_core.address import choose_address
+from rdzv_core.torch_api.address import choose_address
 cases = json.loads(sys.argv[1])
 print(json.dumps([choose_address(configured, [tuple(e) for e in endpoints])[0] for configured, endpoints in cases]))
 """

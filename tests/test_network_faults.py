@@ -16,7 +16,7 @@ Expected, per test:
   raises ``BackendUnavailableError`` within ``watch timeout + LIMIT``;
 * drop: every operation raises ``BackendConnectionError`` within :data:`LIMIT`
   (an etcd client tries the endpoint again until ``operation_timeout``; Redis fails at once);
-* a :class:`~rdzv_core.keepalive.KeepAlive` outlives a 2 s black hole shorter than
+* a :class:`~rdzv_core.rendezvous.keepalive.KeepAlive` outlives a 2 s black hole shorter than
   its TTL: its thread keeps running, the key is never found gone (``lapsed``) and
   never expires, judged by a watch until any key not refreshed after the black hole
   began would have expired (``TTL + ttl_resolution``);
@@ -47,7 +47,7 @@ from rdzv_core import (
     RendezvousParams,
     list_backends,
 )
-from rdzv_core.keepalive import KeepAlive
+from rdzv_core.rendezvous.keepalive import KeepAlive
 
 OP_TIMEOUT = 1.0  #: operation_timeout of every proxied client (seconds)
 #: How long one failing operation may take: one ``operation_timeout``, its own cut-off slack
@@ -434,7 +434,7 @@ def _store_calls(kv: KVBackend, prefix: str) -> dict[str, Callable[[], Any]]:
     """One call per Store operation, each on its own Store over one (already connected) client."""
     import datetime
 
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     def store() -> KVStore:
         return KVStore(kv, prefix, datetime.timedelta(seconds=STORE_TIMEOUT))
@@ -507,7 +507,7 @@ def test_a_store_timeout_of_zero_is_no_timeout(
     import datetime
 
     from rdzv_core import open_backend
-    from rdzv_core.store import KVStore
+    from rdzv_core.torch_api.store import KVStore
 
     with open_backend(f"{scheme}://{proxy.address}/?operation_timeout=1") as kv:
         store = KVStore(kv, prefix + "store/", datetime.timedelta(0))

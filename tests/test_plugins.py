@@ -102,9 +102,9 @@ def test_a_path_before_the_run_id_is_refused_unless_the_backend_uses_it(url: str
 
 def test_the_url_functions_live_with_the_registry_and_keep_their_old_paths() -> None:
     import rdzv_core
-    import rdzv_core.handler
+    import rdzv_core.torch_api.handler
     import rdzv_core.plugins
 
     for name in ("parse_backend_url", "open_backend", "list_backends"):
         assert getattr(rdzv_core, name) is getattr(rdzv_core.plugins, name)
-    assert rdzv_core.handler.parse_backend_url is rdzv_core.plugins.parse_backend_url
+    assert rdzv_core.torch_api.handler.parse_backend_url is rdzv_core.plugins.parse_backend_url

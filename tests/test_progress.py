@@ -30,9 +30,9 @@ import pytest
 
 from agent_workers.harness import Launcher
 from conformance_tests.servers import free_port
-from rdzv_core import admin_cli
-from rdzv_core.progress import NodeProgress
-from rdzv_core.progress_view import analyse, render
+from rdzv_admin import cli as admin_cli
+from rdzv_core.rendezvous.progress_keys import NodeProgress
+from rdzv_admin.progress_view import analyse, render
 
 pytest.importorskip("torch")
 
@@ -277,7 +277,7 @@ def test_a_hang_timeout_shorter_than_the_publish_interval_flags_only_nodes_that_
 ])
 def test_bad_values_are_usage_errors_naming_them(monkeypatch, capsys, tmp_path, argv: list[str], env: dict[str, str],
                                                   named: str) -> None:
-    from rdzv_agent import launcher
+    from rdzv_agent.launch import launcher
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -292,7 +292,7 @@ def test_bad_values_are_usage_errors_naming_them(monkeypatch, capsys, tmp_path, 
 def test_a_taken_metrics_port_is_a_usage_error(capsys, tmp_path) -> None:
     import socket
 
-    from rdzv_agent import launcher
+    from rdzv_agent.launch import launcher
 
     (tmp_path / "ok.py").write_text("")
     with socket.socket() as taken:

@@ -52,7 +52,7 @@ class Job:
             query = "&".join(f"{k}={v}" for k, v in self.query.items())
             argv = [*common, "--rdzv", f"redis://{self.address}/{self.run_id}?{query}",
                     "--log-dir", os.path.join(self.workdir, "logs", name)]
-            module = "rdzv_agent.launcher"
+            module = "rdzv_agent.launch.launcher"
         launcher = Launcher([*argv, WORKER, self.out, str(fails)], self.workdir, name,
                             env={"RANK_NODE": name, **(env or {})}, module=module)
         self.nodes[name] = launcher

@@ -69,7 +69,7 @@ def _rdzv_run(url: str) -> subprocess.CompletedProcess[str]:
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rdzv_admin.cli", *args], capture_output=True, text=True,
                           timeout=60)
 
 

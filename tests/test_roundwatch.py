@@ -1,4 +1,4 @@
-"""``rdzv_core.roundwatch``: the members of a round in one process share one watch thread."""
+"""``rdzv_core.rendezvous.roundwatch``: the members of a round in one process share one watch thread."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import threading
 import time
 import uuid
 
-from rdzv_core import Rendezvous, RendezvousParams, open_backend, roundwatch
+from rdzv_core import Rendezvous, RendezvousParams, open_backend
+from rdzv_core.rendezvous import roundwatch
 
 
 def _next_rounds(members: list[Rendezvous]) -> list:

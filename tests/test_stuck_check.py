@@ -2,7 +2,7 @@
 
 The D state is real: the worker blocks in the kernel's vfork wait
 (``agent_workers/dstate.py``), which ``/proc`` shows as ``D`` and psutil as
-``disk-sleep``. Before :mod:`rdzv_agent.stuck`, ``rdzv-run`` ignored the variable:
+``disk-sleep``. Before :mod:`rdzv_agent.supervision.stuck`, ``rdzv-run`` ignored the variable:
 the stuck worker ran its 60 s and was restarted or succeeded.
 """
 
@@ -19,7 +19,7 @@ import pytest
 
 from agent_workers import dstate
 from agent_workers.harness import Launcher, wait_until
-from rdzv_agent.stuck import UninterruptibleCheck, in_uninterruptible_sleep
+from rdzv_agent.supervision.stuck import UninterruptibleCheck, in_uninterruptible_sleep
 
 pytestmark = pytest.mark.skipif(not dstate.supported(), reason="needs Linux x86_64/aarch64 (raw clone)")
 
@@ -91,7 +91,7 @@ def launch(tmp_path, module: str, env: dict[str, str], restarts: int = 2) -> Lau
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["rdzv_agent.launcher", "torch.distributed.run"])
+@pytest.mark.parametrize("module", ["rdzv_agent.launch.launcher", "torch.distributed.run"])
 def test_worker_in_d_state_past_the_timeout_fails_the_job_without_restart(tmp_path, module) -> None:
     """Under rdzv-run and torchrun 2.13 alike: the job ends within seconds, no restart despite --max-restarts 2.
 
@@ -102,10 +102,10 @@ def test_worker_in_d_state_past_the_timeout_fails_the_job_without_restart(tmp_pa
     try:
         wait_until(lambda: (tmp_path / "start_0_0").exists(), 120, "the workers", node.tail)
         began = time.monotonic()
-        assert node.wait(30) == (1 if module == "rdzv_agent.launcher" else 0), node.tail()
+        assert node.wait(30) == (1 if module == "rdzv_agent.launch.launcher" else 0), node.tail()
         assert time.monotonic() - began < 30  # not the 60 s of the D state
         assert not (tmp_path / "start_1_0").exists() and not (tmp_path / "done_0_0").exists()
-        if module == "rdzv_agent.launcher":  # the stuck worker and its vfork child were stopped with the job
+        if module == "rdzv_agent.launch.launcher":  # the stuck worker and its vfork child were stopped with the job
             assert wait_until(lambda: not our_processes(script), 10, "the workers gone")
     finally:
         node.kill_all()
@@ -115,7 +115,7 @@ def test_worker_in_d_state_past_the_timeout_fails_the_job_without_restart(tmp_pa
 
 def test_bad_value_is_a_usage_error_naming_the_variable(tmp_path) -> None:
     (tmp_path / "ok.py").write_text("pass\n")
-    done = subprocess.run([sys.executable, "-m", "rdzv_agent.launcher", "--standalone", str(tmp_path / "ok.py")],
+    done = subprocess.run([sys.executable, "-m", "rdzv_agent.launch.launcher", "--standalone", str(tmp_path / "ok.py")],
                           env={**os.environ, ENV: "5s"}, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert ENV in done.stderr and "'5s'" in done.stderr

@@ -69,7 +69,7 @@ RECORDER = textwrap.dedent(
 
 #: ``python -m telwrap TOOL ARGS``: registers a file handler the torch way (``events.handlers._log_handlers``:
 #: as "dynamic_rendezvous" and "jsonfile"), optionally ``metrics.configure(Recorder(), "torchelastic")``, then
-#: runs ``rdzv-run`` (``rdzv_agent.launcher.main``) or torchrun (``torch.distributed.run.main``) in-process.
+#: runs ``rdzv-run`` (``rdzv_agent.launch.launcher.main``) or torchrun (``torch.distributed.run.main``) in-process.
 WRAPPER = textwrap.dedent(
     """
     import logging, os, sys
@@ -86,7 +86,7 @@ WRAPPER = textwrap.dedent(
         from torch.distributed.run import main
         main(sys.argv[2:])
     else:
-        from rdzv_agent.launcher import main
+        from rdzv_agent.launch.launcher import main
         sys.exit(main(sys.argv[2:]))
     """
 )
@@ -181,7 +181,7 @@ def test_failed_worker_event_carries_its_error_file(job, node_url):
 
 def test_unknown_event_log_handler_is_a_usage_error(tmp_path):
     """Only names registered in torch's events.handlers; torchrun fails only at the first event (KeyError)."""
-    from rdzv_agent.launch_args import parse_args
+    from rdzv_agent.launch.args import parse_args
 
     with pytest.raises(SystemExit) as info:
         parse_args(["--event-log-handler", "nosuch", "--standalone", "x.py"])
@@ -281,7 +281,7 @@ def test_metric_names_match_torchrun(job, tmp_path):
 def test_bad_metrics_handler_is_a_usage_error():
     from torch.distributed.elastic import metrics
 
-    from rdzv_agent.launch_args import parse_args
+    from rdzv_agent.launch.args import parse_args
 
     args = parse_args(["--metrics-handler", "console", "--standalone", "x.py"])
     assert isinstance(args.metrics_handler, metrics.ConsoleMetricHandler)
@@ -337,7 +337,7 @@ def test_root_cause_is_the_first_to_exit_not_the_lowest_rank(tmp_path, monkeypat
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ErrorHandler, ProcessFailure
 
     from rdzv_agent.api import WorkerFailure
-    from rdzv_agent.errors_report import launcher_error_data, root_cause_text
+    from rdzv_agent.reporting.error_files import launcher_error_data, root_cause_text
 
     files = {}
     for rank in (0, 1):

@@ -21,7 +21,7 @@ from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 pytest.importorskip("torch")
 
-#: ``--rdzv-backend`` -> rdzv URL scheme (see rdzv_core.torchrun).
+#: ``--rdzv-backend`` -> rdzv URL scheme (see rdzv_core.torch_api.torchrun).
 SCHEMES = {"rdzv-file": "file", "rdzv-redis": "redis", "rdzv-etcd": "etcd", "rdzv-etcd-v3": "etcd-v3"}
 
 WORKER = textwrap.dedent(
@@ -118,7 +118,7 @@ def test_torchrun_stopped_by_sigterm_leaves_the_run_open(tmp_path) -> None:
 def test_rdzv_conf_maps_to_url() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
-    from rdzv_core.torchrun import handler_url
+    from rdzv_core.torch_api.torchrun import handler_url
 
     params = RendezvousParameters(
         backend="rdzv-redis", endpoint="127.0.0.1:6379", run_id="job", min_nodes=2, max_nodes=3,
@@ -140,7 +140,7 @@ def test_the_sentinel_handler_takes_every_sentinel_and_the_master_name() -> None
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from rdzv_core import parse_backend_url
-    from rdzv_core.torchrun import handler_url
+    from rdzv_core.torch_api.torchrun import handler_url
 
     assert any(ep.name == "rdzv-redis-sentinel" for ep in entry_points(group="torchrun.handlers"))
     params = RendezvousParameters(backend="rdzv-redis-sentinel", endpoint="127.0.0.1:26379,127.0.0.1:26380",
@@ -156,7 +156,7 @@ def test_a_bad_rdzv_id_is_blamed_on_the_run_id_not_the_endpoint(run_id: str) -> 
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from rdzv_core import InvalidURLError
-    from rdzv_core.torchrun import handler_url
+    from rdzv_core.torch_api.torchrun import handler_url
 
     params = RendezvousParameters(backend="rdzv-file", endpoint="/tmp/rdzv-x", run_id=run_id,
                                   min_nodes=1, max_nodes=1)
@@ -169,7 +169,7 @@ def test_torchrun_parameters_build_the_url_without_parsing_text() -> None:
     from torch.distributed.elastic.rendezvous import RendezvousParameters
 
     from rdzv_core import InvalidURLError
-    from rdzv_core.torchrun import rendezvous_url
+    from rdzv_core.torch_api.torchrun import rendezvous_url
 
     params = RendezvousParameters(backend="rdzv-redis", endpoint="u:p%40w@127.0.0.1,[::1]:7", run_id="job",
                                   min_nodes=1, max_nodes=2, db="3")

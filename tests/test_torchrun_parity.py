@@ -24,8 +24,8 @@ from torch.distributed.argparse_util import check_env, env
 from torch.distributed.run import get_args_parser
 
 from agent_workers.harness import processes_of_run
-from rdzv_agent.launch_args import _PetFlag, _PetValue, build_parser
-from rdzv_agent.master import choose_port
+from rdzv_agent.launch.args import _PetFlag, _PetValue, build_parser
+from rdzv_agent.master_address import choose_port
 
 #: Variables whose values legitimately differ between the two launchers, and why.
 DIFFERENT_VALUES = {
@@ -38,8 +38,8 @@ RDZV_ONLY = {
                         "torchrun relies on python -u, which rdzv-run passes as well",
     "RDZV_PROGRESS_FILE": "where the worker reports its step (rdzv_agent.progress; torchrun has no progress view)",
     "RDZV_STACK_FILE": "where the worker's stacks go on a hang (rdzv-run --hang-timeout; torchrun has none)",
-    "RDZV_REAPER_TOKEN": "marks what the worker starts, stopped after a kill -9 of rdzv-run (rdzv_agent.reaper; "
-                         "torchrun stops nothing the workers start)",
+    "RDZV_REAPER_TOKEN": "marks what the worker starts, stopped after a kill -9 of rdzv-run "
+                         "(rdzv_agent.workers.reaper; torchrun stops nothing the workers start)",
 }
 
 DUMP = textwrap.dedent(
@@ -112,7 +112,7 @@ def test_workers_see_the_variables_torchrun_gives(case, tmp_path):
     extra_args = [run_id if a == "RUN_ID" else a for a in extra_args]
     seen = {}
     for name, module, backend in (("torchrun", "torch.distributed.run", "rdzv-file"),
-                                  ("rdzv-run", "rdzv_agent.launcher", "file")):
+                                  ("rdzv-run", "rdzv_agent.launch.launcher", "file")):
         out = tmp_path / name
         out.mkdir()
         if case == "elastic":
@@ -170,7 +170,7 @@ def test_per_role_ranks_match_torchrun(tmp_path):
     nodes = [("trainer", "2"), ("reader", "1"), ("trainer", "1")]
     parent = {k: v for k, v in os.environ.items() if k != "RDZV_URL"}
     for name, module, backend in (("torchrun", "torch.distributed.run", "rdzv-file"),
-                                  ("rdzv-run", "rdzv_agent.launcher", "file")):
+                                  ("rdzv-run", "rdzv_agent.launch.launcher", "file")):
         out = tmp_path / name
         out.mkdir()
         run_id = f"roles{uuid.uuid4().hex[:8]}"

@@ -171,7 +171,7 @@ def test_ipv6_zone_ids_are_parsed_as_rfc_6874_writes_them() -> None:
 
 
 def test_rdzv_endpoint_takes_an_ipv6_zone_id() -> None:
-    from rdzv_agent.launch_config import backend_url
+    from rdzv_agent.launch.config import backend_url
 
     url = backend_url("redis", "[fe80::1%25eth0]:6379", "job")
     assert parse_url(url).hosts == (("fe80::1%eth0", 6379),)

@@ -1,4 +1,4 @@
-"""Warm workers (``rdzv-run --warm-workers``, :mod:`rdzv_agent.warm`) start the same workers a cold start does.
+"""Warm workers (``rdzv-run --warm-workers``, :mod:`rdzv_agent.workers.warm`) start the same workers a cold start does.
 
 Real ``rdzv-run`` launchers (``--standalone``) run ``agent_workers/warm_probe.py`` cold and warm, from the same
 directory with the same flags, and the tests compare what the workers saw (``sys.argv``, the environment but
@@ -24,9 +24,9 @@ import psutil
 import pytest
 
 from agent_workers.harness import HERE, Launcher, wait_until
-from rdzv_agent.launch_args import parse_args
-from rdzv_agent.launch_config import build_config
-from rdzv_agent.warm import WarmProcess, boot_argv
+from rdzv_agent.launch.args import parse_args
+from rdzv_agent.launch.config import build_config
+from rdzv_agent.workers.warm import WarmProcess, boot_argv
 from rdzv_core.errors import ConfigError
 
 PROBE = os.path.join(HERE, "warm_probe.py")

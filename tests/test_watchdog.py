@@ -2,7 +2,7 @@
 
 The worker is torchrun code, unchanged: ``timer.configure(timer.FileTimerClient(
 os.environ["TORCHELASTIC_TIMER_FILE"]))`` and ``with timer.expires(after=...)``. Before
-:mod:`rdzv_agent.watchdog` the variable was missing under ``rdzv-run`` (KeyError).
+:mod:`rdzv_agent.supervision.watchdog` the variable was missing under ``rdzv-run`` (KeyError).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ WORKER = textwrap.dedent(
     """
 )
 
-LAUNCHERS = {"rdzv-run": "rdzv_agent.launcher", "torchrun": "torch.distributed.run"}
+LAUNCHERS = {"rdzv-run": "rdzv_agent.launch.launcher", "torchrun": "torch.distributed.run"}
 
 
 def start(tmp_path, launcher: str, env: dict[str, str]) -> Launcher:
@@ -97,7 +97,7 @@ def test_timer_file_variable_names_the_pipe(tmp_path) -> None:
 
 def test_same_script_under_torchrun_kills_the_worker_and_torchrun_itself(tmp_path) -> None:
     """Reference: torch 2.13's FileTimerServer kills the expired worker, then SIGKILLs its own process (torchrun):
-    no restart despite --max-restarts 1 (rdzv-run kills the worker only; see rdzv_agent/watchdog.py)."""
+    no restart despite --max-restarts 1 (rdzv-run kills the worker only; see rdzv_agent/supervision/watchdog.py)."""
     node = start(tmp_path, "torchrun", {})
     try:
         code = node.wait(180)
@@ -132,7 +132,7 @@ def test_stop_before_any_client_leaves_no_thread(tmp_path) -> None:
     """torch's FileTimerServer leaves its thread blocked opening the pipe when no worker ever wrote to it."""
     import threading
 
-    from rdzv_agent.watchdog import WorkerWatchdog
+    from rdzv_agent.supervision.watchdog import WorkerWatchdog
 
     before = set(threading.enumerate())
     watchdog = WorkerWatchdog(True, str(tmp_path / "pipe"))

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import BackendClosedError, BackendUnavailableError
-from ..keepalive import KeepAlive
+from .keepalive import KeepAlive
 from ..kv import KVBackend
 from .record import REJOINED, REJOINING, RunKeys, encode_json, member_record, round_segment
 

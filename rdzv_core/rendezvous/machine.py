@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, Callable
 
-from .. import roundwatch
+from . import roundwatch
 from ..errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -33,7 +33,7 @@ from ..errors import (
     RendezvousGracefulExitError,
     RendezvousStateError,
 )
-from ..keepalive import KeepAlive
+from .keepalive import KeepAlive
 from ..kv import Entry, KVBackend, wait_for_change
 from .admission import Admission, unmarked_grace, write_last_final
 from .membership import Membership
@@ -76,7 +76,8 @@ class RoundMachine(Membership):
         self.run_id = self.keys.run_id
         self.params = params
         self.on_progress = on_progress
-        #: called after each keep-alive refresh of this node's key (see :class:`~rdzv_core.keepalive.KeepAlive`).
+        #: called after each keep-alive refresh of this node's key
+        #: (see :class:`~rdzv_core.rendezvous.keepalive.KeepAlive`).
         self.on_keepalive: Callable[[BaseException | None], object] | None = None
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         #: this node's name in its keep-alive record, the rank policies' tie-break (the handler sets ``local_addr``).

@@ -1,8 +1,8 @@
 """A member's side of a final round: its keep-alive key, its round watch, and its recovery after an outage.
 
 :class:`Membership` is the part of :class:`~rdzv_core.rendezvous.machine.RoundMachine` that runs while
-the node is a member: it keeps the member's key alive (:class:`~rdzv_core.keepalive.KeepAlive`),
-subscribes to the round's lapse watch (:mod:`rdzv_core.roundwatch`) with the keep-alive's evidence of
+the node is a member: it keeps the member's key alive (:class:`~rdzv_core.rendezvous.keepalive.KeepAlive`),
+subscribes to the round's lapse watch (:mod:`rdzv_core.rendezvous.roundwatch`) with the keep-alive's evidence of
 the backend's answers, and re-establishes the round where the backend lost it (``docs/design.md``,
 "The backend away").
 """
@@ -13,9 +13,9 @@ import logging
 import time
 from typing import Any, Callable
 
-from .. import roundwatch
+from . import roundwatch
 from ..errors import BackendClosedError, BackendUnavailableError, RendezvousStateError
-from ..keepalive import KeepAlive
+from .keepalive import KeepAlive
 from ..outage import Responsiveness
 from .params import RendezvousParams, RoundResult
 from .record import REJOINED, REJOINING, encode_json, round_segment
@@ -40,7 +40,7 @@ class Membership(RoundIO):
     _rejoining: tuple[str, dict[str, Any]] | None = None
 
     def _watch_round(self, result: RoundResult) -> None:
-        """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.roundwatch`)."""
+        """Subscribe to the lapse watch of the round ``result`` (see :mod:`rdzv_core.rendezvous.roundwatch`)."""
         self._unwatch_round()
         self._watched = roundwatch.WatchedRound(self.keys, result.version, result.round_id, result.world_size,
                                                 self.params.keep_alive_ttl, self._final_ranks)

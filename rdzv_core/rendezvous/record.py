@@ -16,8 +16,8 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
                                 "rejoining" once the member re-joins the run, "rejoined" the round it took a ticket in)
     ROOT/v_V.ID/ranks           group rank of each slot, when the round's rank policy is not join
     ROOT/v_V.ID/extra/KEY       extra data of round V
-    ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.progress)
-    ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.store)
+    ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.rendezvous.progress_keys)
+    ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.torch_api.store)
 
 ``ID`` is the round record's random id (:func:`round_segment`). The three per-round counts are
 ticket keys (``KVBackend.take_ticket``/``tickets``): one write per node, no compare-and-swap race.

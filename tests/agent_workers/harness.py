@@ -44,7 +44,7 @@ class Launcher:
         name: str,
         env: dict[str, str] | None = None,
         gate: str | None = None,
-        module: str = "rdzv_agent.launcher",
+        module: str = "rdzv_agent.launch.launcher",
         prefix: Sequence[str] = (),
     ) -> None:
         self.name = name
@@ -53,12 +53,12 @@ class Launcher:
         self.err_path = os.path.join(workdir, f"{name}.err")
         if gate is None:
             cmd = [sys.executable, "-m", module, *argv]
-        elif module != "rdzv_agent.launcher":
+        elif module != "rdzv_agent.launch.launcher":
             raise ValueError("gate is for rdzv-run launchers only")
         else:
             code = (
                 "import os, sys, time\n"
-                "from rdzv_agent.launcher import main\n"
+                "from rdzv_agent.launch.launcher import main\n"
                 f"gate = {gate!r}\n"
                 "deadline = time.monotonic() + 300\n"
                 "while not os.path.exists(gate) and time.monotonic() < deadline:\n"
@@ -101,7 +101,7 @@ class Launcher:
         return pids
 
     def workers(self) -> list[int]:
-        """Pids of the launcher's live descendants but its reaper's watch process (``rdzv_agent.reaper``), which
+        """Pids of the launcher's live descendants but its reaper's watch process (``rdzv_agent.workers.reaper``), which
         lives as long as the launcher: the workers and what they started."""
         pids = []
         for pid in self.descendants():

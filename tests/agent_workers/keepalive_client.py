@@ -1,6 +1,6 @@
 """Keys kept alive from a multi-host test's host: ``python keepalive_client.py URL COUNT TTL``.
 
-Puts ``COUNT`` keys with ``TTL`` and refreshes each with a :class:`~rdzv_core.keepalive.KeepAlive` over one
+Puts ``COUNT`` keys with ``TTL`` and refreshes each with a :class:`~rdzv_core.rendezvous.keepalive.KeepAlive` over one
 client of ``URL``; prints ``{"ready": true}``, then answers each stdin line with a JSON report: the keys found
 lapsed (``lapses``), the longest time between two successful refreshes of a key (``worst_gap``, s, the put
 counting as the first) and how many refreshes worked (``refreshed``).
@@ -14,7 +14,7 @@ import threading
 import time
 
 from rdzv_core import open_backend
-from rdzv_core.keepalive import KeepAlive
+from rdzv_core.rendezvous.keepalive import KeepAlive
 
 
 def main() -> int:

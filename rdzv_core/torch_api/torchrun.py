@@ -1,0 +1,203 @@
+"""Plain ``torchrun`` with rdzv's backends, through torch's ``torchrun.handlers`` entry points.
+
+PyTorch (2.5+) loads out-of-tree rendezvous handlers from the entry-point group
+``torchrun.handlers``: each entry point is a zero-argument callable returning a
+creator ``(RendezvousParameters) -> RendezvousHandler``. torch's own names
+(``etcd``, ``etcd-v2``, ``c10d``, ``static``) cannot be overridden, so this
+project's are prefixed with ``rdzv-``::
+
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend rdzv-redis \\
+        --rdzv-endpoint 127.0.0.1:6379 --rdzv-id job1 train.py
+
+====================  =====================  =====================================
+``--rdzv-backend``    rdzv scheme            ``--rdzv-endpoint``
+====================  =====================  =====================================
+rdzv-etcd             etcd (v2 API)          HOST:PORT[,HOST:PORT...]
+rdzv-etcd-v3          etcd-v3                HOST:PORT[,HOST:PORT...]
+rdzv-redis            redis                  HOST:PORT
+rdzv-redis-sentinel   redis+sentinel         SENTINEL:PORT[,SENTINEL:PORT...]
+                                             (``--rdzv-conf master_name=NAME``)
+rdzv-file             file                   an absolute directory path
+rdzv-memory           memory                 a keyspace name (one process only)
+====================  =====================  =====================================
+
+``--rdzv-conf`` keys map onto the URL query keys (``last_call_timeout=5``,
+``keep_alive_ttl=2``, ``join_timeout`` = ``timeout``, ``cacert``, ...); torch's
+own keys that do not apply (``is_host``, ``close_timeout``, ``read_timeout``,
+``keep_alive_interval``, ``keep_alive_max_attempt``) are accepted and ignored.
+
+Without ``--rdzv-id`` torch passes the run id ``none``, the same for every job:
+two unrelated jobs on one server (or one ``rdzv-file`` directory) would form one
+world, and a later job would find the run closed. So every handler but
+``rdzv-memory`` (one process: no other job can share its keyspace) takes the run
+id from the environment where a launcher or scheduler gives one, and logs which
+(:func:`derived_run_id`), else refuses ``none`` with an
+:class:`~rdzv_core.errors.InvalidURLError` on ``rdzv_id`` that says to pass
+``--rdzv-id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from ..errors import InvalidURLError
+from ..plugins import parse_backend_url
+from ..url import RendezvousURL, parse_netloc, parse_path, validate_run_id
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES",
+           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
+
+log = logging.getLogger(__name__)
+
+#: The prefix of the handler names registered for torchrun (``rdzv-redis`` is the ``redis`` backend).
+HANDLER_PREFIX = "rdzv-"
+
+#: The run id torchrun passes when ``--rdzv-id`` is not given.
+TORCH_DEFAULT_RUN_ID = "none"
+
+#: Where a run id comes from without ``--rdzv-id``, first found wins: ``(run id prefix, variables)``.
+#: Each names one job (and, for SLURM and LSF, one step / array element) and is the same on every
+#: node of it. TORCHELASTIC_RUN_ID is taken as given (a launcher's explicit choice).
+RUN_ID_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("", ("TORCHELASTIC_RUN_ID",)),
+    ("slurm-", ("SLURM_JOB_ID", "SLURM_STEP_ID")),
+    ("pbs-", ("PBS_JOBID",)),
+    ("lsf-", ("LSB_JOBID", "LSB_JOBINDEX")),
+)
+
+#: Set by torch's agent in its workers' environment: a torchrun started by a worker inherits the
+#: parent job's ids, which would merge it into the parent's run.
+_WORKER_MARKER = "TORCHELASTIC_RESTART_COUNT"
+
+#: Schemes whose keyspace only this process sees: run id ``none`` cannot meet another job.
+_PROCESS_LOCAL = frozenset({"memory"})
+
+#: Values that say "no such thing": an LSF job outside an array has index 0; torch's own default id.
+_SKIP = {"LSB_JOBINDEX": "0", "TORCHELASTIC_RUN_ID": TORCH_DEFAULT_RUN_ID}
+
+_NOT_RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.\-=+:@~]")
+
+
+def derived_run_id(scheme: str, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The run id to use when torchrun was given no ``--rdzv-id``: ``(run id, where it came from)``.
+
+    Raises:
+        InvalidURLError: on ``rdzv_id`` when the environment names no job (or this process is a
+            torchelastic worker, whose job ids are its parent's), saying to pass ``--rdzv-id``; on the
+            variable when its value is not a run id.
+    """
+    env = os.environ if environ is None else environ
+    why = (f"torchrun was given no --rdzv-id, so every job gets the run id {TORCH_DEFAULT_RUN_ID!r}: unrelated jobs "
+           f"on the same rdzv-{scheme} endpoint would join one run (one world), and a job after a finished one would "
+           f"find the run closed. Pass --rdzv-id with a value unique to this job (the same on every node)")
+    if env.get(_WORKER_MARKER) is not None:
+        raise InvalidURLError("rdzv_id", TORCH_DEFAULT_RUN_ID, f"{why}; the job ids in this environment are "
+                              f"inherited from the torchelastic job that started this process ({_WORKER_MARKER} "
+                              f"is set), so none is derived from them")
+    for prefix, names in RUN_ID_SOURCES:
+        given = [n for n in names if env.get(n, "").strip() not in ("", _SKIP.get(n))]
+        if not given or given[0] != names[0]:
+            continue
+        first = env[names[0]].strip()
+        run_id = ".".join(env[n].strip() for n in given)
+        if prefix:  # a scheduler's id ("123[4].server"): made a run id; an explicit one is taken as given
+            run_id = prefix + _NOT_RUN_ID_CHARS.sub("_", run_id)
+        source = "/".join(given)
+        try:
+            validate_run_id(run_id)
+        except InvalidURLError as exc:
+            raise InvalidURLError(names[0], first,
+                                  f"cannot serve as the run id ({exc.reason}); pass --rdzv-id") from None
+        return run_id, source
+    sources = ", ".join(n for _, names in RUN_ID_SOURCES for n in names[:1])
+    raise InvalidURLError("rdzv_id", TORCH_DEFAULT_RUN_ID, f"{why} (or run under a scheduler that sets one of "
+                          f"{sources})")
+
+#: torch's rendezvous config keys that have no meaning here.
+IGNORED_TORCH_KEYS = frozenset({"is_host", "close_timeout", "read_timeout", "keep_alive_interval",
+                                "keep_alive_max_attempt", "use_agent_store"})
+
+
+def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL:
+    """The rdzv URL equivalent to torchrun's ``RendezvousParameters`` for ``scheme``, built (not parsed).
+
+    ``--rdzv-endpoint`` is ``[USER[:PASSWORD]@]HOST:PORT[,...]`` (``rdzv-file``: an absolute
+    directory, taken literally; ``rdzv-memory``: a keyspace name, default ``torchrun``);
+    ``--rdzv-conf`` keys and the node counts are set as the URL's query keys
+    (:meth:`RendezvousURL.with_params`). Run id ``none`` (no ``--rdzv-id``) becomes
+    :func:`derived_run_id`'s, except for ``memory``.
+
+    Raises:
+        InvalidURLError: the endpoint is missing where the scheme needs one (``rdzv_endpoint``),
+            or the run id is not one (``rdzv_id``: checked first), or is ``none`` and none can be
+            derived; a bad host, directory or ``--rdzv-conf`` key or value.
+        UnknownBackendError: ``scheme``'s backend is not installed.
+    """
+    run_id = params.run_id
+    if run_id == TORCH_DEFAULT_RUN_ID and scheme not in _PROCESS_LOCAL:
+        run_id, source = derived_run_id(scheme)
+        log.warning("rdzv-%s: torchrun was given no --rdzv-id: run id %r from %s (the same on every node of this "
+                    "job; pass --rdzv-id to choose)", scheme, run_id, source)
+    try:
+        validate_run_id(run_id)
+    except InvalidURLError as exc:
+        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
+    endpoint = (params.endpoint or "").strip()
+    hosts: tuple[tuple[str, int | None], ...] = ()
+    username = password = None
+    path = ""
+    if scheme == "file":
+        if not endpoint.startswith("/"):
+            raise InvalidURLError("rdzv_endpoint", endpoint, "rdzv-file needs an absolute directory path")
+        path = parse_path(endpoint)
+    else:
+        if not endpoint and scheme != "memory":
+            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
+        netloc, _, rest = (endpoint or "torchrun").partition("/")
+        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
+            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
+        hosts, username, password = parse_netloc(netloc)
+    query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
+    config = dict(params.config)
+    if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
+        config.pop("timeout", None)
+    for key, value in config.items():
+        if key in IGNORED_TORCH_KEYS or value is None:
+            continue
+        query[key] = value
+    _, url = parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))
+    return url.with_params(query)
+
+
+def handler_url(scheme: str, params: "RendezvousParameters") -> str:
+    """:func:`rendezvous_url` as text, the password shown as ``***`` (for messages)."""
+    return rendezvous_url(scheme, params).redacted()
+
+
+def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
+    def get_creator() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
+        def create(params: "RendezvousParameters") -> "RendezvousHandler":
+            from .handler import RdzvHandler
+
+            return RdzvHandler.from_url(
+                rendezvous_url(scheme, params), local_addr=params.local_addr, backend_name=params.backend
+            )
+
+        return create
+
+    get_creator.__name__ = f"rdzv_{scheme.replace('-', '_')}"
+    return get_creator
+
+
+etcd = _creator("etcd")
+etcd_v3 = _creator("etcd-v3")
+redis = _creator("redis")
+redis_sentinel = _creator("redis+sentinel")
+file = _creator("file")
+memory = _creator("memory")
