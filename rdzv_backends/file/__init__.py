@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rdzv_backends._lazy import lazy_attributes
+from rdzv_backends.file._settings import CAPABILITIES, DB_NAME, DEFAULT_OPERATION_TIMEOUT
 from rdzv_core.errors import InvalidURLError
-from rdzv_core.kv import Capabilities
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL, to_positive_float
 
@@ -23,19 +23,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CAPABILITIES", "DB_NAME", "DEFAULT_OPERATION_TIMEOUT", "FileBackend", "HISTORY_LIMIT", "plugin"]
 
-#: File name of the store inside the URL's directory.
-DB_NAME = "rdzv.sqlite3"
-#: Seconds an operation may wait for the write lock when the URL sets no ``operation_timeout``.
-DEFAULT_OPERATION_TIMEOUT = 30.0
-
-CAPABILITIES = Capabilities(
-    multi_host=False,
-    server_side_ttl=False,
-    native_watch=False,
-    persistent=True,
-    max_value_bytes=64 * 1024 * 1024,
-    ttl_resolution=0.1,
-)
 
 
 def _open(url: RendezvousURL) -> FileBackend:

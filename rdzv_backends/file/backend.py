@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable, Iterator, TypeVar
 
-from rdzv_backends.file import CAPABILITIES, DB_NAME, DEFAULT_OPERATION_TIMEOUT
+from rdzv_backends.file._settings import CAPABILITIES, DB_NAME, DEFAULT_OPERATION_TIMEOUT
 from rdzv_backends.file._sql import (
     _FORMAT,
     _GET,

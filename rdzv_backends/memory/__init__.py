@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rdzv_backends._lazy import lazy_attributes
+from rdzv_backends.memory._settings import CAPABILITIES
 from rdzv_core.errors import InvalidURLError
-from rdzv_core.kv import Capabilities
 from rdzv_core.plugins import BackendSpec, backend_plugin
 from rdzv_core.url import RendezvousURL
 
@@ -19,10 +19,6 @@ if TYPE_CHECKING:
 
 __all__ = ["CAPABILITIES", "HISTORY_LIMIT", "MemoryBackend", "WAKE_TOKENS", "WATCH_BATCH", "plugin"]
 
-CAPABILITIES = Capabilities(
-    multi_host=False, server_side_ttl=False, native_watch=True, persistent=False, multi_process=False,
-    ttl_resolution=0.05
-)
 
 
 def _open(url: RendezvousURL) -> MemoryBackend:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from rdzv_backends._waiters import Waiter, WaiterRegistry
-from rdzv_backends.memory import CAPABILITIES
+from rdzv_backends.memory._settings import CAPABILITIES
 from rdzv_core.errors import CompareFailedError, HistoryCompactedError, KeyExistsError, KeyNotFoundError
 from rdzv_core.kv import Entry, Event, EventType, KVBackend, parse_counter
 

@@ -20,7 +20,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from rdzv_backends.redis import (
+from rdzv_backends.redis._settings import (
     CAPABILITIES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_OPERATION_TIMEOUT,

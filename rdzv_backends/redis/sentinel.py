@@ -18,7 +18,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection
 
-from rdzv_backends.redis import (
+from rdzv_backends.redis._settings import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_OPERATION_TIMEOUT,
     DEFAULT_SENTINEL_PORT,
