@@ -64,22 +64,22 @@ from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
 from rdzv_core.errors import ConfigError
 
 from . import master_address
-from .launch import worker_options
 from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
+from .launch import worker_options
+from .reporting.torch_events import prof
+from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .supervision.hang_watch import DEFAULT_INTERVAL as PROGRESS_INTERVAL
 from .supervision.hang_watch import HangWatch
 from .supervision.health import Heartbeat
-from .workers.log_specs import LineFilter, WorkerStreams, line_prefix, make_logs_specs, worker_streams
 from .supervision.ops_hooks import OpsHooks
-from .workers.process import WorkerProcess, parent_death_hook, stop_processes
-from .workers.reaper import NodeReaper
-from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
-from .workers.streams import Std
 from .supervision.stuck import TIMEOUT_ENV as STUCK_ENV
 from .supervision.stuck import UninterruptibleCheck
-from .workers.warm import WarmPool, boot_argv
 from .supervision.watchdog import WorkerWatchdog
-from .reporting.torch_events import prof
+from .workers.log_specs import LineFilter, WorkerStreams, line_prefix, make_logs_specs, worker_streams
+from .workers.process import WorkerProcess, parent_death_hook, stop_processes
+from .workers.reaper import NodeReaper
+from .workers.streams import Std
+from .workers.warm import WarmPool, boot_argv
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 

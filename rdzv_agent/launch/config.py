@@ -32,6 +32,10 @@ from rdzv_core.url import RendezvousURL
 
 from ..api import DEFAULT_ROLE
 from ..supervision.hang_watch import interval_from_env
+from ..supervision.ops_hooks import OpsHooks, ops_from_env
+from ..workers.log_specs import PREFIX_TEMPLATE_ENV, load_logs_specs
+from ..workers.streams import Std
+from ..workers.warm import entry_path0
 from .args import (
     DEFAULT_EXIT_BARRIER_TIMEOUT,
     DEFAULT_MONITOR_INTERVAL,
@@ -55,10 +59,6 @@ from .target import (
     rank_request,
     static_of,
 )
-from ..workers.log_specs import PREFIX_TEMPLATE_ENV, load_logs_specs
-from ..supervision.ops_hooks import OpsHooks, ops_from_env
-from ..workers.streams import Std
-from ..workers.warm import entry_path0
 from .worker_options import (
     DEFAULT_SIGNALS,
     PYTHON_EXEC_ENV,

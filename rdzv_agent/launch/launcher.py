@@ -76,18 +76,18 @@ from torch.distributed.launcher.api import _get_entrypoint_name
 import rdzv_core
 from rdzv_core.url import RendezvousURL
 
-from ..supervision import health
 from ..api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
-from ..reporting.error_files import ERROR_FILE_ENV, launcher_error_data, write_error_file
-from .args import URL_ENV, parse_args, strip_rdzv_options
-from .config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from ..local import LocalElasticAgent
+from ..reporting.console import Reporter, Summary
+from ..reporting.error_files import ERROR_FILE_ENV, launcher_error_data, write_error_file
+from ..reporting.torch_events import METRIC_GROUP
+from ..simple import AgentEvent
+from ..supervision import health
 from ..workers.log_specs import make_logs_specs
 from ..workers.reaper import NodeReaper
-from ..reporting.console import Reporter, Summary
-from ..simple import AgentEvent
+from .args import URL_ENV, parse_args, strip_rdzv_options
+from .config import LaunchConfig, Standalone, StaticRendezvous, build_config
 from .worker_options import SIGNALS_ENV
-from ..reporting.torch_events import METRIC_GROUP
 
 if TYPE_CHECKING:
     from ..reporting.prometheus_metrics import AgentMetrics

@@ -4,8 +4,10 @@ Modules: :mod:`.record` (the round record :class:`RoundRecord`, its :class:`Stat
 key map :class:`RunKeys`), :mod:`.params` (:class:`RendezvousParams`, :class:`RoundResult`,
 :class:`Progress`), :mod:`.runconfig` (the run's configuration: the settings every node must share),
 :mod:`.steps` (the decisions, apart from I/O), :mod:`.machine` (the phases
-of a round and their I/O), :mod:`.node` (:class:`Rendezvous`, the public API). The states,
-keys and design are described in ``docs/design.md``.
+of a round and their I/O), :mod:`.node` (:class:`Rendezvous`, the public API), :mod:`.keepalive`
+(the keep-alive scheduler), :mod:`.roundwatch` (lapse detection for final rounds), :mod:`.membership`
+(a member's keep-alive, round watch and outage recovery), :mod:`.progress_keys` (the workers' progress
+in the backend). The states, keys and design are described in ``docs/design.md``.
 """
 
 from __future__ import annotations
