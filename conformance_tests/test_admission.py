@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import pytest
 
-from rdzv_core import KVBackend, RendezvousParams
+from rdzv_core import KVBackend, RendezvousParams, roundwatch
+from rdzv_core.rendezvous.record import RunKeys
 
 from .test_rendezvous import Agent, Hooked, _until_true
 
@@ -78,6 +79,16 @@ def _spares(run: _Run, count: int, member: Agent, **hooks: Callable[[Any], None]
     return spares
 
 
+def _assert_survivors_and_first_spare(v1: int, a: Agent, b: Agent, s1: Agent, s2: Agent) -> None:
+    """Members A and B and spare S1 (re-joining) form one round of 3 after round ``v1``; spare S2 waits on."""
+    ra, rb = a.wait(10 * TTL), b.wait(10 * TTL)
+    assert ra.version == rb.version > v1 and ra.world_size == 3, (ra, rb)
+    rs1 = s1.wait(10 * TTL)
+    assert rs1.version == ra.version, rs1
+    assert sorted(x.rank for x in (ra, rb, rs1)) == [0, 1, 2]
+    assert not s2.done.is_set(), f"the second spare ended: {s2.result} {s2.error!r}"
+
+
 def _ticket_event(version: int) -> tuple[threading.Event, Callable[[Any], None]]:
     """An event set when the hooked client takes a join ticket in a round after ``version``."""
     event = threading.Event()
@@ -118,12 +129,7 @@ def test_a_survivor_that_re_joins_late_keeps_its_place_against_two_spares(run) -
     time.sleep(SLOW)  # A's agent looks late: that is the scenario
     assert a.rdzv.num_nodes_waiting() >= 1
     a.start()
-    ra, rb = a.wait(10 * TTL), b.wait(10 * TTL)
-    assert ra.version == rb.version > v1 and ra.world_size == 3, (ra, rb)
-    rs1 = s1.wait(10 * TTL)
-    assert rs1.version == ra.version, rs1
-    assert sorted(x.rank for x in (ra, rb, rs1)) == [0, 1, 2]
-    assert not s2.done.is_set(), f"the second spare ended: {s2.result} {s2.error!r}"
+    _assert_survivors_and_first_spare(v1, a, b, s1, s2)
 
 
 def test_spares_are_admitted_in_the_order_they_came(run) -> None:
@@ -189,3 +195,53 @@ def test_the_last_call_waits_for_a_slow_survivor(run) -> None:
     ra = a.start().wait(10 * TTL)
     results = [ra, b.wait(10 * TTL), spare.wait(10 * TTL)]
     assert len({x.version for x in results}) == 1 and ra.version > v1 and ra.world_size == 3, results
+
+
+def _in_round_watch() -> bool:
+    """Whether the calling thread is a round watch's (:mod:`rdzv_core.roundwatch`)."""
+    return threading.current_thread().name.startswith(roundwatch.THREAD_PREFIX)
+
+
+def test_the_round_watch_marks_the_survivors_when_the_next_round_is_set_up_while_it_looks(run) -> None:
+    """A, B, C train (max 3) for a TTL, spares S1 and S2 wait. C leaves; a spare destroys the round first, and
+    sets up the next one while A's and B's round watch, which judged C's key lost and found the round gone,
+    looks whether the round is over: no record, then the version counter, then the new round's record
+    (hooked). That is the end of the round: the watch must mark A and B re-joining, whose agents re-join 2/3
+    of the TTL later. A and B must be members of the next round, with S1; S2 waits on as a spare."""
+    r = run(min_nodes=2, max_nodes=3, last_call_timeout=1.0)
+    keys = RunKeys(r.params.prefix, r.run_id)
+    c_left, destroyed, counter_read, set_up = (threading.Event() for _ in range(4))
+
+    def watch_reads(key: Any) -> None:
+        if not _in_round_watch() or not c_left.is_set():
+            return
+        if key == keys.closed:  # a spare destroys the round first
+            destroyed.wait(10)
+        elif key == keys.version_counter:  # the next round is set up between its reads of the counter and record
+            counter_read.set()
+            set_up.wait(10)
+
+    def spare_creates(key: Any) -> None:
+        if key == keys.round_record and c_left.is_set():
+            destroyed.set()
+            counter_read.wait(10)
+
+    def spare_counts(key: Any) -> None:
+        if key == keys.version_counter and counter_read.is_set():
+            set_up.set()
+
+    a, b, c = (r.agent(before_get=watch_reads) for _ in range(3))
+    v1 = _form([a, b, c])
+    formed = time.monotonic()
+    s1, s2 = _spares(r, 2, a, before_create=spare_creates, before_add=spare_counts)
+    # The watch judges a missing key at once only in a round whose members' keep-alives answered for a TTL.
+    time.sleep(max(0.0, formed + TTL * 1.25 - time.monotonic()))
+    c_left.set()
+    c.rdzv.leave()
+    _until_true(lambda: a.rdzv.num_nodes_waiting() >= 1 and b.rdzv.num_nodes_waiting() >= 1, 10 * TTL,
+                "A and B told to re-form")
+    _until_true(lambda: counter_read.is_set() and set_up.is_set(), 10 * TTL,
+                "the next round set up while the round watch looked")
+    time.sleep(SLOW)  # A's and B's agents look late: that is the scenario
+    a.start(), b.start()
+    _assert_survivors_and_first_spare(v1, a, b, s1, s2)

@@ -88,10 +88,11 @@ def restore_round(kv: KVBackend, keys: RunKeys, final: RoundRecord, recreate: bo
 
 
 def round_ended(kv: KVBackend, keys: RunKeys, version: int, rid: str | None) -> bool:
-    """Whether round ``(version, rid)`` is over and the run goes on: another round's record is live, or there is
-    no record while the version counter reached ``version`` (the round was destroyed: a destroy never lowers
-    the counter). ``False`` while the run is closed, the record is the round's, or the backend lost it
-    (no record, the counter absent or behind: :func:`restore_round`).
+    """Whether round ``(version, rid)`` is over and the run goes on: another round's record is live (also one
+    set up between the reads: a node that destroyed the round sets up the next one at once), or there is no
+    record while the version counter reached ``version`` (the round was destroyed: a destroy never lowers the
+    counter). ``False`` while the run is closed, the record is the round's, or the backend lost it (no
+    record, the counter absent or behind: :func:`restore_round`).
 
     Raises:
         BackendUnavailableError, BackendClosedError: from ``kv``.
@@ -108,7 +109,11 @@ def round_ended(kv: KVBackend, keys: RunKeys, version: int, rid: str | None) -> 
     except ValueError:
         return False
     # A member that restores a lost record creates it before it raises the counter: read the record again.
-    return reached and kv.get(keys.round_record) is None
+    # Found now, it is that restored round's, or another round's (the next one, set up since the first read).
+    entry = kv.get(keys.round_record)
+    if entry is not None:
+        return not RoundRecord.decode(entry).is_round(version, rid)
+    return reached
 
 
 def _raise_counter(kv: KVBackend, key: str, version: int) -> None:
