@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import pytest
 
-from rdzv_core import KVBackend, RendezvousParams, roundwatch
+from rdzv_core import KVBackend, RendezvousParams
+from rdzv_core.rendezvous import roundwatch
 from rdzv_core.rendezvous.record import RunKeys
 
 from .test_rendezvous import Agent, Hooked, _until_true
@@ -198,7 +199,7 @@ def test_the_last_call_waits_for_a_slow_survivor(run) -> None:
 
 
 def _in_round_watch() -> bool:
-    """Whether the calling thread is a round watch's (:mod:`rdzv_core.roundwatch`)."""
+    """Whether the calling thread is a round watch's (:mod:`rdzv_core.rendezvous.roundwatch`)."""
     return threading.current_thread().name.startswith(roundwatch.THREAD_PREFIX)
 
 
