@@ -27,7 +27,6 @@ import datetime
 import functools
 import logging
 import os
-import random
 import time
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -38,6 +37,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 
 from . import errors, observe, progress
 from .address import Endpoint, published_address
+from .backoff import Backoff
 from .kv import KVBackend
 from .labels import environment_labels
 from .metered import MeteredKV
@@ -350,6 +350,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             return False
         retry = min(SHUTDOWN_RETRY, self.params.timeout)
         deadline = time.monotonic() + retry
+        backoff = Backoff(base=0.5, cap=0.5)  # a constant window: up to 0.5 s between attempts
         while True:
             try:
                 self._closed_ok = self._close_unless_others_carry_on()
@@ -360,7 +361,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
                                 " %s", self._rdzv.run_id, retry, exc)
                     self._closed_ok = False
                     break
-                time.sleep(random.uniform(0.2, 0.5))
+                backoff.sleep(deadline)
             except errors.RdzvError as exc:
                 log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
                             self._rdzv.run_id, type(exc).__name__, exc)

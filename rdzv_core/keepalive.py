@@ -15,13 +15,13 @@ import heapq
 import itertools
 import logging
 import os
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from . import observe
+from .backoff import Backoff
 from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
 from .outage import OutageLog, Responsiveness
@@ -47,10 +47,11 @@ class KeepAlive:
     The first refresh is ``ttl / 3`` seconds after construction; each next one
     ``ttl / 3`` seconds after the previous returned. A refresh that fails with
     anything but :class:`~rdzv_core.errors.KeyNotFoundError` or
-    :class:`~rdzv_core.errors.BackendClosedError` is logged (WARNING) and retried after a
-    jittered ``0.25 .. 0.5 * ttl / 3`` seconds. ``KeyNotFoundError``: ``lapsed`` is set and
-    the key is written again with ``kv.create(key, value, ttl)`` (or, with ``value``
-    ``None``, refreshing ends). ``BackendClosedError`` ends refreshing.
+    :class:`~rdzv_core.errors.BackendClosedError` is logged (WARNING) and retried after
+    ``0 .. 0.5 * ttl / 3`` seconds (full jitter, :class:`~rdzv_core.backoff.Backoff`).
+    ``KeyNotFoundError``: ``lapsed`` is set and the key is written again with
+    ``kv.create(key, value, ttl)`` (or, with ``value`` ``None``, refreshing ends).
+    ``BackendClosedError`` ends refreshing.
 
     Args:
         kv: the backend.
@@ -85,6 +86,7 @@ class KeepAlive:
             raise ConfigError("ttl", ttl, "a keep-alive TTL must be a positive number of seconds")
         self.kv, self.key, self.ttl, self.value, self.name = kv, key, ttl, value, name
         self.interval = ttl / 3  #: seconds between refreshes
+        self._retry = Backoff(base=self.interval / 2, cap=self.interval / 2)  # a failed refresh or write: retry
         self.on_refresh = on_refresh
         self.on_lapse = on_lapse
         self.lapsed = threading.Event()
@@ -181,7 +183,7 @@ class KeepAlive:
         except Exception as exc:  # keep trying until stopped; never end silently
             self.responsiveness.record(started, ended := time.monotonic(), ok=False)
             observe.keepalive_refresh(ended - started, exc)
-            wait = random.uniform(0.25, 0.5) * self.interval
+            wait = self._retry.delay()
             # a server down for a minute is one WARNING line, not hundreds
             self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
                                 self.key, wait, exc)
@@ -211,7 +213,7 @@ class KeepAlive:
             return None
         except Exception as exc:  # as for a failed refresh: retry soon, never end silently
             self.responsiveness.broken()
-            wait = random.uniform(0.25, 0.5) * self.interval
+            wait = self._retry.delay()
             log.warning("keep-alive key %s could not be written again (retrying in %.2f s): %s", self.key, wait, exc)
             return wait
         else:

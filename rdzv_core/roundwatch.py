@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import logging
 import os
-import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .backoff import Backoff
 from .errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -124,7 +124,7 @@ class _RoundWatch:
     def _run(self) -> None:
         outage = OutageLog(log.log)
         revision: int | None = None  # None: (re-)list before watching
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=1.0)  # between retries of backend errors
         while not self.stopped.is_set():
             kv = self._client()
             if kv is None:
@@ -142,7 +142,7 @@ class _RoundWatch:
                 events = kv.watch(self.watched.alive_prefix, revision, wait)
                 outage.recovered("round watch of run %s version %d works again", self.watched.run_id,
                                  self.watched.version)
-                delay = 0.05
+                backoff.reset()
                 if events:
                     revision = None  # a key went away, was marked re-joining, or came back: look again
                 elif self.judge_at is not None:
@@ -158,8 +158,7 @@ class _RoundWatch:
                 outage.failed("round watch of run %s version %d: backend unavailable, retrying: %s",
                               self.watched.run_id, self.watched.version, exc)
                 revision = None
-                self.stopped.wait(random.uniform(0.5, 1.0) * delay)
-                delay = min(2 * delay, 1.0)
+                self.stopped.wait(backoff.delay())
             except RdzvError as exc:  # corrupt data or a bug below: say so, keep watching (bounded rate)
                 log.warning("round watch of run %s version %d failed: %s: %s", self.watched.run_id,
                             self.watched.version, type(exc).__name__, exc)

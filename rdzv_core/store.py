@@ -34,13 +34,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import random
 import time
 from typing import Iterator, Sequence
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store as _C10dStore  # dist.Store, typed (torch's .pyi)
 
+from .backoff import Backoff
 from .errors import (
     BackendClosed,
     BackendTimeout,
@@ -64,6 +64,11 @@ _QUEUE, _QUEUE_COUNTER = "@q", "@qn"
 
 #: Seconds before a wait's deadline within which a backend timeout counts as the wait's own timeout.
 _CUT_SLACK = 0.05
+
+
+def _race_backoff() -> Backoff:
+    """The pause after a compare-and-swap loop lost a race: up to 5 ms, not growing (full jitter)."""
+    return Backoff(base=0.005, cap=0.005)
 
 
 def _seconds(timeout: datetime.timedelta) -> float | None:
@@ -168,6 +173,7 @@ class KVStore(_C10dStore):
         """Append ``value`` to the bytes at ``key`` (creating it), atomically (compare-and-swap loop)."""
         full, data = self._key(key), _as_bytes("value", value)
         with self._bounded("append"):
+            backoff = _race_backoff()
             while True:
                 entry = self._kv.get(full)
                 try:
@@ -177,7 +183,7 @@ class KVStore(_C10dStore):
                         self._kv.compare_and_swap(full, entry.value + data, entry.revision)
                     return
                 except (KeyExists, KeyNotFound, CompareFailed):
-                    time.sleep(random.uniform(0, 0.005))
+                    backoff.sleep()
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """c10d ``compareSet``: store ``desired_value`` if the current value is ``expected_value``
@@ -187,6 +193,7 @@ class KVStore(_C10dStore):
         full = self._key(key)
         expected, desired = _as_bytes("expected_value", expected_value), _as_bytes("desired_value", desired_value)
         with self._bounded("compare_set"):
+            backoff = _race_backoff()
             while True:
                 entry = self._kv.get(full)
                 try:
@@ -200,7 +207,7 @@ class KVStore(_C10dStore):
                     self._kv.compare_and_swap(full, desired, entry.revision)
                     return desired
                 except (KeyExists, KeyNotFound, CompareFailed):
-                    time.sleep(random.uniform(0, 0.005))
+                    backoff.sleep()
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""

@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Callable
 
 from .. import roundwatch
+from ..backoff import Backoff
 from ..errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -41,7 +42,7 @@ from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, missing_ranks
-from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
+from .steps import Deadline, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
 
