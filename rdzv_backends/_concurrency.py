@@ -1,6 +1,5 @@
 """Backend-neutral helpers for threads that share one backend object.
 
-* :class:`Deadline` -- an absolute ``time.monotonic()`` deadline with jittered backoff;
 * :class:`RaceRetry` -- when an optimistic read-modify-write that lost a race tries again;
 * :class:`AddCombiner` -- concurrent ``add`` calls on one key become one write ("flat combining");
 * :class:`ReadCoalescer` -- concurrent identical reads share requests, each as fresh as its own;
@@ -14,49 +13,19 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from typing import Callable, Generic, Hashable, TypeVar, cast
 
 from rdzv_core.backoff import Backoff
-from rdzv_core.errors import BackendTimeout, KVError
+from rdzv_core.deadlines import Deadline
+from rdzv_core.errors import BackendTimeoutError, KVError
 
-__all__ = ["Deadline", "RaceRetry", "AddCombiner", "ReadCoalescer", "copy_error"]
+__all__ = ["RaceRetry", "AddCombiner", "ReadCoalescer", "copy_error"]
 
 T = TypeVar("T")
 
-_BACKOFF_FIRST = 0.05
-_BACKOFF_CAP = 1.0
 #: RaceRetry's contention pause window: first and largest (seconds).
 _CONTENTION_FIRST = 0.002
 _CONTENTION_CAP = 0.5
-
-
-class Deadline:
-    """An absolute ``time.monotonic()`` deadline, shared by the attempts of one operation.
-
-    Args:
-        seconds: time from now (float >= 0).
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-        self._backoff = Backoff(base=_BACKOFF_FIRST, cap=_BACKOFF_CAP)
-
-    def remaining(self) -> float:
-        """Seconds left (0.0 once passed)."""
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def backoff(self) -> bool:
-        """Sleep a jittered, exponentially growing delay (50 ms doubling to 1 s, full jitter:
-        :class:`~rdzv_core.backoff.Backoff`), not past the deadline.
-
-        Returns:
-            ``False`` (without sleeping) if no time is left, else ``True``.
-        """
-        return self._backoff.sleep(self.at)
 
 
 D = TypeVar("D", bound=Deadline)
@@ -75,10 +44,10 @@ class RaceRetry:
     (at N = 1,024 independent clients on etcd v3 no round formed within 40 s);
     with them about 2 N log2(N) and the key's writes stay close to one per round
     trip. A loss without progress retries once at once, then with
-    :meth:`Deadline.backoff`. Nothing retries past the deadline.
+    :meth:`~rdzv_core.deadlines.Deadline.backoff`. Nothing retries past the deadline.
 
     Args:
-        deadline: the operation's :class:`Deadline`.
+        deadline: the operation's :class:`~rdzv_core.deadlines.Deadline`.
     """
 
     def __init__(self, deadline: Deadline) -> None:
@@ -110,9 +79,9 @@ class RaceRetry:
         self._stalls += 1
         return True if self._stalls == 1 else self.deadline.backoff()
 
-    def exhausted(self, what: str, key: str, operation_timeout: float) -> BackendTimeout:
+    def exhausted(self, what: str, key: str, operation_timeout: float) -> BackendTimeoutError:
         """The error once :meth:`again` said no: ``what`` lost every race until the deadline."""
-        return BackendTimeout(
+        return BackendTimeoutError(
             f"{what} lost {self.attempts} races in a row to other writers of the key within "
             f"operation_timeout={operation_timeout:g} s", key
         )
@@ -143,7 +112,7 @@ class AddCombiner(Generic[D]):
     effect at the write's instant, in queue order. A failed write fails its
     whole batch with the same error. A batch runs under its leader's (the
     oldest call's) deadline; a call still queued at its own deadline leaves
-    the queue and raises :class:`~rdzv_core.errors.BackendTimeout`, having
+    the queue and raises :class:`~rdzv_core.errors.BackendTimeoutError`, having
     written nothing.
     """
 
@@ -164,7 +133,7 @@ class AddCombiner(Generic[D]):
 
         Raises:
             whatever ``apply`` raised for this call's batch;
-            BackendTimeout: the call's deadline passed while it was queued.
+            BackendTimeoutError: the call's deadline passed while it was queued.
         """
         me: _Waiter[D] = _Waiter(delta, deadline)
         with self._lock:
@@ -190,10 +159,12 @@ class AddCombiner(Generic[D]):
             queue = self._queues.get(key)
             if queue is not None and me in queue:  # never taken into a batch: nothing was written
                 queue.remove(me)
-                raise BackendTimeout(f"add({key!r}) waited past its deadline behind other adds of this process", key)
+                raise BackendTimeoutError(
+                    f"add({key!r}) waited past its deadline behind other adds of this process", key)
         # In a batch whose leader started before us (so its deadline is earlier): it ends soon.
         if not me.done.wait(me.deadline.remaining() + 30.0):
-            raise BackendTimeout(f"add({key!r}) did not complete in time; it may or may not have taken effect", key)
+            raise BackendTimeoutError(
+                f"add({key!r}) did not complete in time; it may or may not have taken effect", key)
 
     def _lead(self, key: str, me: _Waiter[D], apply: Callable[[int, D], int]) -> int:
         with self._lock:
@@ -268,7 +239,7 @@ class ReadCoalescer:
 
         Raises:
             whatever ``fetch`` raised for this call's group (a copy per call);
-            BackendTimeout: the request before this call's group did not end in time.
+            BackendTimeoutError: the request before this call's group did not end in time.
         """
         with self._lock:
             slot = self._flights.get(key)
@@ -284,7 +255,7 @@ class ReadCoalescer:
                 me.calls += 1
         if not lead:
             if not me.done.wait(deadline.remaining() + 30.0):
-                raise BackendTimeout(f"a read of {key!r} shared with other threads did not end in time")
+                raise BackendTimeoutError(f"a read of {key!r} shared with other threads did not end in time")
             if me.error is not None:
                 raise copy_error(me.error)
             return cast(T, me.answer)
@@ -292,7 +263,7 @@ class ReadCoalescer:
             with self._lock:
                 if slot is not None and slot[1] is me:  # never promoted: give the group up
                     slot[1] = None
-                    me.error = BackendTimeout(f"a read of {key!r} in flight in another thread did not end in time")
+                    me.error = BackendTimeoutError(f"a read of {key!r} in flight in another thread did not end in time")
                     me.done.set()
                     raise copy_error(me.error)
         try:

@@ -2,7 +2,8 @@
 :mod:`rdzv_backends._concurrency` and are re-exported here for old imports (none needs a client library)."""
 
 from rdzv_backends._concurrency import AddCombiner, RaceRetry, ReadCoalescer
-from rdzv_backends._etcd.budget import MIN_ATTEMPT, Deadline, FailureBudget, Tries
+from rdzv_backends._etcd.budget import MIN_ATTEMPT, FailureBudget, Tries
+from rdzv_backends._etcd.budget import AttemptDeadline as Deadline
 from rdzv_backends._etcd.endpoints import Endpoints
 from rdzv_backends._etcd.errors import may_have_applied, unreachable
 from rdzv_backends._etcd.settings import (

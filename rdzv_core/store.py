@@ -13,7 +13,7 @@ at ``PREFIX@qn/SEGMENT``), so they are not counted by ``num_keys``/``list_keys``
 
 Every operation returns or raises within its timeout (the call's, else the
 store's; a zero timeout is c10d's "no timeout"), whatever the backend's
-``operation_timeout``: its backend calls run under :func:`rdzv_core.kv.deadline`.
+``operation_timeout``: its backend calls run under :func:`rdzv_core.kv.call_deadline`.
 Errors are c10d's (both ``RuntimeError``, the rdzv error as ``__cause__``):
 ``torch.distributed.DistStoreError`` for a timeout -- keys not set in time, or a
 backend that did not answer in time -- and ``torch.distributed.DistNetworkError``
@@ -50,7 +50,7 @@ from .errors import (
     KeyNotFound,
     ValueTooLarge,
 )
-from .kv import Entry, KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
+from .kv import Entry, KVBackend, call_deadline, check_prefix, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 
@@ -123,7 +123,7 @@ class KVStore(_C10dStore):
         limit = self._timeout if timeout is None else timeout
         seconds = _seconds(limit)
         try:
-            with deadline(seconds):
+            with call_deadline(seconds):
                 yield
         except BackendTimeout as exc:
             within = f"within {limit}" if seconds is not None else "(no Store timeout: the backend's own)"

@@ -6,7 +6,7 @@ import pytest
 
 import rdzv_core
 from rdzv_core import errors
-from rdzv_core.kv import deadline
+from rdzv_core.kv import call_deadline
 
 
 def test_every_error_class_ends_in_error() -> None:
@@ -22,7 +22,7 @@ def test_a_former_name_is_the_same_class(old: str, new: str) -> None:
 
 def test_a_bad_timeout_is_an_invalid_argument_not_a_bad_key() -> None:
     with pytest.raises(errors.InvalidArgumentError) as info:
-        with deadline(-1):
+        with call_deadline(-1):
             pass
     assert info.value.field == "timeout" and not isinstance(info.value, errors.InvalidKeyError)
     assert issubclass(errors.InvalidKeyError, errors.InvalidArgumentError)  # a bad key is a bad argument too

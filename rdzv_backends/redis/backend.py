@@ -229,7 +229,7 @@ class RedisBackend(KVBackend):
         than by an error reply is disconnected (it reconnects when next used)."""
         budget = call_budget(self.operation_timeout)
         conn = self._pool.acquire(budget)
-        short = budget < self.operation_timeout  # the caller's deadline (rdzv_core.kv.deadline) is sooner
+        short = budget < self.operation_timeout  # the caller's deadline (rdzv_core.kv.call_deadline) is sooner
         try:
             sock = conn._sock  # redis-py keeps the socket there; None: not connected (yet, or any more)
             if sock is not None and _stale(sock):

@@ -16,7 +16,7 @@ from ..backoff import Backoff
 from ..errors import RendezvousStateError
 from .record import RoundRecord, Status
 
-__all__ = ["Step", "next_step", "Held", "Retry", "Deadline", "attempt_backoff", "Stall"]
+__all__ = ["Step", "next_step", "Held", "Retry", "DeadlinePassedError", "attempt_backoff", "Stall"]
 
 
 class Step(enum.Enum):
@@ -83,7 +83,7 @@ class Retry(Exception):
         self.credit = credit
 
 
-class Deadline(Retry):
+class DeadlinePassedError(Retry):
     """The attempt's deadline passed (a :class:`Retry` without delay)."""
 
     def __init__(self) -> None:
