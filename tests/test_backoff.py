@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from fake_clock import FakeClock
 
 from rdzv_core.backoff import Backoff
 
@@ -14,19 +15,6 @@ class _Edges(random.Random):
 
     def uniform(self, a: float, b: float) -> float:
         return b
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
 
 
 def test_windows_double_from_base_up_to_cap_and_reset_starts_over() -> None:
@@ -54,7 +42,7 @@ def test_constant_window_when_base_equals_cap() -> None:
 
 
 def test_sleep_stops_at_the_deadline_and_refuses_after_it() -> None:
-    clock = _Clock()
+    clock = FakeClock()
     backoff = Backoff(base=1.0, cap=4.0, rng=_Edges(), clock=clock, sleeper=clock.sleep)
     assert backoff.sleep(until=clock.now + 10.0) and clock.slept == [1.0]
     assert backoff.sleep(until=clock.now + 0.3) and clock.slept[-1] == pytest.approx(0.3), "cut at the deadline"

@@ -3,26 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from fake_clock import FakeClock
 
 from rdzv_core.deadlines import BACKOFF_CAP, BACKOFF_FIRST, Deadline, call_budget, call_deadline
 from rdzv_core.errors import BackendTimeoutError
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-        self.slept: list[float] = []
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.now += seconds
-
-
 def test_remaining_and_expired_follow_the_clock() -> None:
-    clock = _Clock()
+    clock = FakeClock(now=50.0)
     deadline = Deadline(2.0, clock=clock, sleeper=clock.sleep)
     assert deadline.at == 52.0 and deadline.remaining() == 2.0 and not deadline.expired()
     clock.now = 53.0
@@ -30,7 +18,7 @@ def test_remaining_and_expired_follow_the_clock() -> None:
 
 
 def test_backoff_pauses_within_the_window_and_never_past_the_deadline() -> None:
-    clock = _Clock()
+    clock = FakeClock()
     deadline = Deadline(1.5, clock=clock, sleeper=clock.sleep)
     windows = [BACKOFF_FIRST * 2**n for n in range(5)]
     while deadline.backoff():
