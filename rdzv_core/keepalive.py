@@ -14,7 +14,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,6 +21,7 @@ from typing import Callable
 
 from . import observe
 from .backoff import Backoff
+from .forksafe import PerProcess
 from .errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
 from .kv import KVBackend
 from .outage import OutageLog, Responsiveness
@@ -99,15 +99,19 @@ class KeepAlive:
         self._idle = threading.Event()  # no refresh of this key in flight
         self._idle.set()
         self._worker: threading.Thread | None = None  # the pool thread running this key's refresh
-        self._pid = os.getpid()
-        _scheduler().add(self, time.monotonic() + self.interval)
+        self._scheduler = _SCHEDULER.get()  # the one of the process this key is refreshed in
+        self._scheduler.add(self, time.monotonic() + self.interval)
 
     def __repr__(self) -> str:
         return f"KeepAlive({self.name!r}, key={self.key!r}, ttl={self.ttl}, alive={self.is_alive()})"
 
     def is_alive(self) -> bool:
         """Whether the key is still being refreshed (not stopped, backend not closed) in this process."""
-        return not self._ended and self._pid == os.getpid()
+        return not self._ended and self._here()
+
+    def _here(self) -> bool:
+        """Whether this process is the one the key was made in (not a forked child)."""
+        return _SCHEDULER.current() is self._scheduler
 
     def stop(self) -> None:
         """Stop refreshing (the key is left to the caller).
@@ -120,7 +124,7 @@ class KeepAlive:
         """
         with self._lock:
             self._stopped = self._ended = True
-        if self._pid == os.getpid() and self._worker is not threading.current_thread():
+        if self._here() and self._worker is not threading.current_thread():
             if not self._idle.wait(STOP_WAIT):
                 log.warning("keep-alive %s: a refresh of %s still runs %.0f s after stop()",
                             self.name, self.key, STOP_WAIT)
@@ -140,7 +144,7 @@ class KeepAlive:
             if wait is None:
                 self._ended = True
             elif not self._ended:
-                _scheduler().add(self, time.monotonic() + wait)
+                self._scheduler.add(self, time.monotonic() + wait)
             self._idle.set()
 
     def _tick(self) -> None:
@@ -258,25 +262,5 @@ class _Scheduler:
                     ka._release(None)
 
 
-_lock = threading.Lock()
-_current: _Scheduler | None = None
-
-
-def _scheduler() -> _Scheduler:
-    """This process's scheduler (made on first use)."""
-    global _current
-    with _lock:
-        if _current is None:
-            _current = _Scheduler()
-        return _current
-
-
-def _reset_after_fork() -> None:
-    # The parent's scheduler and pool threads did not survive fork(), and a lock may have been held.
-    global _lock, _current
-    _lock = threading.Lock()
-    _current = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+#: This process's scheduler, made on first use (a forked child makes its own: the parent's threads are gone).
+_SCHEDULER: PerProcess[_Scheduler] = PerProcess(_Scheduler)

@@ -17,13 +17,13 @@ why they wait out an outage: ``docs/design.md`` ("Membership rules", "The backen
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .backoff import Backoff
+from .forksafe import PerProcess
 from .errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -250,8 +250,16 @@ def destroy(kv: KVBackend, watched: WatchedRound, reason: str) -> bool:
     return True
 
 
-_lock = threading.Lock()
-_watches: dict[tuple[str, int, str], _RoundWatch] = {}
+class _Watches:
+    """This process's round watches by :attr:`WatchedRound.ident`, and the lock that guards them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_round: dict[tuple[str, int, str], _RoundWatch] = {}
+
+
+#: Made on first use; a forked child starts with none (the parent's watch threads are gone).
+_WATCHES: PerProcess[_Watches] = PerProcess(_Watches)
 
 
 def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since | None = None,
@@ -262,10 +270,11 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
     keep-alive's :attr:`~rdzv_core.keepalive.KeepAlive.responsiveness`); without it, a missing key
     is acted on at once. ``on_end(watched)``: called on the watch's thread when the watch ends after
     judging a missing key and the round is over while the run goes on (destroyed here or by another node)."""
-    with _lock:
-        watch = _watches.get(watched.ident)
+    watches = _WATCHES.get()
+    with watches.lock:
+        watch = watches.by_round.get(watched.ident)
         if watch is None:
-            watch = _watches[watched.ident] = _RoundWatch(watched)
+            watch = watches.by_round[watched.ident] = _RoundWatch(watched)
             start = True
         else:
             start = False
@@ -277,30 +286,23 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
 
 def unsubscribe(member: object, watched: WatchedRound) -> None:
     """Remove ``member`` from the watch of round ``watched``; the last one out stops it (does not wait)."""
-    with _lock:
-        watch = _watches.get(watched.ident)
+    watches = _WATCHES.get()
+    with watches.lock:
+        watch = watches.by_round.get(watched.ident)
         if watch is None:
             return
         with watch.lock:
             watch.subscribers.pop(member, None)
             empty = not watch.subscribers
         if empty:
-            del _watches[watched.ident]
+            del watches.by_round[watched.ident]
             watch.stopped.set()
 
 
 def watched_rounds() -> dict[tuple[str, int, str], int]:
     """``(keep-alive prefix, version, round id)`` -> subscribers of every round watched in this process."""
-    with _lock:
-        return {ident: len(w.subscribers) for ident, w in _watches.items()}
+    watches = _WATCHES.get()
+    with watches.lock:
+        return {ident: len(w.subscribers) for ident, w in watches.by_round.items()}
 
 
-def _reset_after_fork() -> None:
-    # The parent's watch threads did not survive fork(), and the lock may have been held.
-    global _lock, _watches
-    _lock = threading.Lock()
-    _watches = {}
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
