@@ -45,13 +45,14 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import InvalidURLError
 from .plugins import parse_backend_url
-from .url import RendezvousURL, parse_netloc, parse_path, validate_run_id
+from .url import RendezvousURL, parse_netloc, parse_path, redact_text, validate_run_id
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES",
-           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
+__all__ = ["rendezvous_url", "endpoint_url", "checked_run_id", "handler_url", "derived_run_id",
+           "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "HANDLER_PREFIX",
+           "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ _PROCESS_LOCAL = frozenset({"memory"})
 _SKIP = {"LSB_JOBINDEX": "0", "TORCHELASTIC_RUN_ID": TORCH_DEFAULT_RUN_ID}
 
 _NOT_RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.\-=+:@~]")
+_SCHEME_NAME = re.compile(r"[a-z][a-z0-9+.\-]*")
 
 
 def derived_run_id(scheme: str, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -144,25 +146,7 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
         run_id, source = derived_run_id(scheme)
         log.warning("rdzv-%s: torchrun was given no --rdzv-id: run id %r from %s (the same on every node of this "
                     "job; pass --rdzv-id to choose)", scheme, run_id, source)
-    try:
-        validate_run_id(run_id)
-    except InvalidURLError as exc:
-        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
-    endpoint = (params.endpoint or "").strip()
-    hosts: tuple[tuple[str, int | None], ...] = ()
-    username = password = None
-    path = ""
-    if scheme == "file":
-        if not endpoint.startswith("/"):
-            raise InvalidURLError("rdzv_endpoint", endpoint, "rdzv-file needs an absolute directory path")
-        path = parse_path(endpoint)
-    else:
-        if not endpoint and scheme != "memory":
-            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
-        netloc, _, rest = (endpoint or "torchrun").partition("/")
-        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
-            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
-        hosts, username, password = parse_netloc(netloc)
+    url = endpoint_url(scheme, params.endpoint or "", run_id)
     query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
     config = dict(params.config)
     if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
@@ -171,8 +155,67 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
         if key in IGNORED_TORCH_KEYS or value is None:
             continue
         query[key] = value
-    _, url = parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))
     return url.with_params(query)
+
+
+def checked_run_id(run_id: str) -> str:
+    """``run_id`` if it is a run id (:func:`~rdzv_core.url.validate_run_id`: one key segment); the rule of
+    ``--rdzv-id`` for torchrun's handlers and ``rdzv-run`` alike.
+
+    Raises:
+        InvalidURLError: on ``rdzv_id``, with the reason.
+    """
+    try:
+        return validate_run_id(run_id)
+    except InvalidURLError as exc:
+        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
+
+
+def endpoint_url(backend: str, endpoint: str, run_id: str, *, credentials: bool = True) -> RendezvousURL:
+    """The URL of torchrun's ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, built (never parsed from
+    text, so none of them can add a query key or a path segment) and checked by the backend; no query keys.
+
+    ``backend``: a scheme, or torchrun's handler name for it (``rdzv-redis``). ``endpoint``:
+    ``[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]`` (a trailing ``/`` is ignored) -- for ``file`` an
+    absolute directory, taken literally; for ``memory`` a keyspace name, ``torchrun`` when empty.
+    ``run_id``: :func:`checked_run_id`. The torchrun handlers (:func:`rendezvous_url`) and ``rdzv-run``
+    (``rdzv_agent.launch_target``) both build their URL here.
+
+    Args:
+        credentials: whether ``USER:PASSWORD@`` may be given (``rdzv-run`` takes them only in a URL).
+
+    Raises:
+        InvalidURLError: on ``rdzv_backend`` (not a scheme name), ``rdzv_id`` (checked first after it),
+            ``rdzv_endpoint`` (missing, control characters, a path where the scheme takes none, credentials where
+            refused; the value shown without its password), or what the host list, directory or the
+            backend refuses (``host``, ``port``, ``path``, ...).
+        UnknownBackendError: no installed backend has that scheme.
+    """
+    if not _SCHEME_NAME.fullmatch(backend):
+        raise InvalidURLError("rdzv_backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
+    scheme = backend.removeprefix(HANDLER_PREFIX)
+    checked_run_id(run_id)
+    endpoint = endpoint.strip()
+    shown = redact_text(endpoint)
+    if any(ord(c) < 32 or ord(c) == 127 for c in endpoint):
+        raise InvalidURLError("rdzv_endpoint", shown, "contains control characters")
+    hosts: tuple[tuple[str, int | None], ...] = ()
+    username = password = None
+    path = ""
+    if scheme == "file":
+        if not endpoint.startswith("/"):
+            raise InvalidURLError("rdzv_endpoint", shown, "rdzv-file needs an absolute directory path")
+        path = parse_path(endpoint)
+    else:
+        if not endpoint and scheme not in _PROCESS_LOCAL:
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} needs HOST:PORT")
+        netloc, _, rest = (endpoint or "torchrun").partition("/")
+        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
+        if not credentials and "@" in netloc:
+            raise InvalidURLError("rdzv_endpoint", shown, "takes no credentials: give them in a URL")
+        hosts, username, password = parse_netloc(netloc)
+    return parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))[1]
 
 
 def handler_url(scheme: str, params: "RendezvousParameters") -> str:
