@@ -44,7 +44,7 @@ import re
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from .errors import InvalidURLError
-from .plugins import parse_backend_url
+from .plugins import BackendSpec, get_registry, parse_backend_url
 from .url import RendezvousURL, parse_netloc, parse_path, redact_text, validate_run_id
 
 if TYPE_CHECKING:
@@ -75,9 +75,6 @@ RUN_ID_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: Set by torch's agent in its workers' environment: a torchrun started by a worker inherits the
 #: parent job's ids, which would merge it into the parent's run.
 _WORKER_MARKER = "TORCHELASTIC_RESTART_COUNT"
-
-#: Schemes whose keyspace only this process sees: run id ``none`` cannot meet another job.
-_PROCESS_LOCAL = frozenset({"memory"})
 
 #: Values that say "no such thing": an LSF job outside an array has index 0; torch's own default id.
 _SKIP = {"LSB_JOBINDEX": "0", "TORCHELASTIC_RUN_ID": TORCH_DEFAULT_RUN_ID}
@@ -142,7 +139,7 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
         UnknownBackendError: ``scheme``'s backend is not installed.
     """
     run_id = params.run_id
-    if run_id == TORCH_DEFAULT_RUN_ID and scheme not in _PROCESS_LOCAL:
+    if run_id == TORCH_DEFAULT_RUN_ID and _spec(scheme).capabilities.multi_process:  # else no other job meets it
         run_id, source = derived_run_id(scheme)
         log.warning("rdzv-%s: torchrun was given no --rdzv-id: run id %r from %s (the same on every node of this "
                     "job; pass --rdzv-id to choose)", scheme, run_id, source)
@@ -171,13 +168,24 @@ def checked_run_id(run_id: str) -> str:
         raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
 
 
+def _spec(scheme: str) -> BackendSpec:
+    """The installed backend of ``scheme`` (:class:`~rdzv_core.plugins.BackendSpec`).
+
+    Raises:
+        UnknownBackendError: none is installed.
+    """
+    return get_registry().lookup(scheme).spec
+
+
 def endpoint_url(backend: str, endpoint: str, run_id: str, *, credentials: bool = True) -> RendezvousURL:
     """The URL of torchrun's ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, built (never parsed from
     text, so none of them can add a query key or a path segment) and checked by the backend; no query keys.
 
     ``backend``: a scheme, or torchrun's handler name for it (``rdzv-redis``). ``endpoint``:
-    ``[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]`` (a trailing ``/`` is ignored) -- for ``file`` an
-    absolute directory, taken literally; for ``memory`` a keyspace name, ``torchrun`` when empty.
+    ``[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]`` (a trailing ``/`` is ignored) -- for a backend that
+    reads a directory (:attr:`BackendSpec.uses_path <rdzv_core.plugins.BackendSpec.uses_path>`: ``file``)
+    an absolute directory, taken literally; when empty, the backend's
+    :attr:`~rdzv_core.plugins.BackendSpec.default_endpoint` (``memory``: ``torchrun``), if it has one.
     ``run_id``: :func:`checked_run_id`. The torchrun handlers (:func:`rendezvous_url`) and ``rdzv-run``
     (``rdzv_agent.launch_target``) both build their URL here.
 
@@ -194,6 +202,7 @@ def endpoint_url(backend: str, endpoint: str, run_id: str, *, credentials: bool 
     if not _SCHEME_NAME.fullmatch(backend):
         raise InvalidURLError("rdzv_backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
     scheme = backend.removeprefix(HANDLER_PREFIX)
+    spec = _spec(scheme)
     checked_run_id(run_id)
     endpoint = endpoint.strip()
     shown = redact_text(endpoint)
@@ -202,14 +211,15 @@ def endpoint_url(backend: str, endpoint: str, run_id: str, *, credentials: bool 
     hosts: tuple[tuple[str, int | None], ...] = ()
     username = password = None
     path = ""
-    if scheme == "file":
+    if spec.uses_path:
         if not endpoint.startswith("/"):
-            raise InvalidURLError("rdzv_endpoint", shown, "rdzv-file needs an absolute directory path")
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} needs an absolute directory path")
         path = parse_path(endpoint)
     else:
-        if not endpoint and scheme not in _PROCESS_LOCAL:
+        endpoint = endpoint or spec.default_endpoint or ""
+        if not endpoint:
             raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} needs HOST:PORT")
-        netloc, _, rest = (endpoint or "torchrun").partition("/")
+        netloc, _, rest = endpoint.partition("/")
         if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
             raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
         if not credentials and "@" in netloc:

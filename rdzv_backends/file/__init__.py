@@ -57,6 +57,7 @@ plugin = backend_plugin(
         query_keys={"operation_timeout": to_positive_float},
         uses_path=True,
         description="SQLite file shared by the processes of one host (no server)",
+        server_endpoints="none",
     )
 )
 

@@ -125,5 +125,6 @@ class plugin:  # noqa: N801 - entry-point object, named like a module attribute
                 query_keys=QUERY_KEYS,
                 requires_host=True,
                 description="one PostgreSQL server (row-lock transactions, LISTEN/NOTIFY, server-clock TTLs)",
+                server_endpoints="one",
             )
         ]
