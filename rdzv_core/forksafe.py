@@ -11,7 +11,8 @@ state tells it is not its process's by :meth:`PerProcess.current` (``current() i
 
 Users: the keep-alive scheduler (``keepalive.py``), the round watches (``roundwatch.py``), the file
 backend's write locks, pollers and connection pools (``rdzv_backends/file``), the etcd v3 stream loop
-(``rdzv_backends/etcd_v3/streams.py``) and the Redis connection pools (``rdzv_backends/redis/_pool.py``).
+(``rdzv_backends/etcd_v3/streams.py``) and the Redis connection pools and pub/sub notifiers
+(``rdzv_backends/redis/_pool.py``, ``_listener.py``).
 """
 
 from __future__ import annotations
