@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["rendezvous_url", "endpoint_url", "checked_run_id", "handler_url", "derived_run_id",
            "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "HANDLER_PREFIX",
-           "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
+           "handler_creator", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
 
 log = logging.getLogger(__name__)
 
@@ -233,7 +233,13 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
     return rendezvous_url(scheme, params).redacted()
 
 
-def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
+def handler_creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
+    """The object a ``torchrun.handlers`` entry point names for ``scheme``'s backend: a zero-argument callable
+    returning torch's creator ``(RendezvousParameters) -> RendezvousHandler`` (an :class:`RdzvHandler` on
+    :func:`rendezvous_url`'s URL). The built-ins' are below (``rdzv-redis = "rdzv_core.torchrun:redis"``); a
+    plugin registers its own the same way (``rdzv-postgresql = "rdzv_postgres:torchrun_handler"``).
+    """
+
     def get_creator() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
         def create(params: "RendezvousParameters") -> "RendezvousHandler":
             from .handler import RdzvHandler
@@ -248,9 +254,9 @@ def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "Re
     return get_creator
 
 
-etcd = _creator("etcd")
-etcd_v3 = _creator("etcd-v3")
-redis = _creator("redis")
-redis_sentinel = _creator("redis+sentinel")
-file = _creator("file")
-memory = _creator("memory")
+etcd = handler_creator("etcd")
+etcd_v3 = handler_creator("etcd-v3")
+redis = handler_creator("redis")
+redis_sentinel = handler_creator("redis+sentinel")
+file = handler_creator("file")
+memory = handler_creator("memory")

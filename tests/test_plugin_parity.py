@@ -77,3 +77,23 @@ def test_rdzv_run_status_close_and_reset_on_the_plugins_server(rdzv_server_postg
     finally:
         member.leave()
         kv.close()
+
+
+def test_the_plugins_torchrun_handler_forms_a_round(rdzv_server_postgres: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin's ``torchrun.handlers`` object is made by the same ``handler_creator`` as the built-ins'; the
+    handler it creates is rdzv's, with the agent's protocol."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+    import rdzv_postgres
+    from rdzv_core.handler import ElasticHandler
+
+    run_id = "parity-torchrun-" + uuid.uuid4().hex[:8]
+    params = RendezvousParameters(backend="rdzv-postgresql", endpoint=rdzv_server_postgres.address, run_id=run_id,
+                                  min_nodes=1, max_nodes=1, last_call_timeout="0.5")
+    handler = rdzv_postgres.torchrun_handler()(params)
+    try:
+        assert isinstance(handler, ElasticHandler)
+        info = handler.next_rendezvous()
+        assert (info.rank, info.world_size) == (0, 1) and handler.round_version() is not None
+    finally:
+        handler.shutdown()
