@@ -58,11 +58,6 @@ EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or 
 #: or a mistyped URL or run id).
 VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
 
-#: How many server endpoints each built-in backend takes (its URL's host list), for ``rdzv backends``.
-SERVER_ENDPOINTS = {"etcd-v2": "many", "etcd-v3": "many", "redis": "one", "redis+sentinel": "many (sentinels)",
-                    "file": "none", "memory": "none"}
-
-
 def _open(url: str) -> tuple[KVBackend, Rendezvous]:
     info, parsed = parse_backend_url(url)
     kv = info.spec.open(parsed)
@@ -81,9 +76,10 @@ def _confirm(args: argparse.Namespace, what: str) -> bool:
 
 def cmd_backends(args: argparse.Namespace) -> int:
     """The installed backends. ``multi_host`` is whether agents on many hosts can meet through it;
-    ``server_endpoints`` how many servers its URL may name (Redis: one; ``None`` if not known)."""
+    ``server_endpoints`` how many servers its URL may name (the backend's
+    :attr:`~rdzv_core.plugins.BackendSpec.server_endpoints`; Redis: one; ``None`` if not said)."""
     rows = {s: {"distribution": b.distribution, "name": b.spec.name, "default_port": b.spec.default_port,
-                "server_endpoints": SERVER_ENDPOINTS.get(b.spec.name), **b.spec.capabilities.as_dict()}
+                "server_endpoints": b.spec.server_endpoints, **b.spec.capabilities.as_dict()}
             for s, b in list_backends().items()}
     if args.json:
         print(json.dumps(rows, indent=2))

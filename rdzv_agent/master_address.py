@@ -27,6 +27,8 @@ from typing import Any, Mapping
 from rdzv_core.torch_api import address
 from rdzv_core.torch_api.address import published_address
 
+from .elastic import elastic_handler
+
 __all__ = [
     "MASTER_KEY",
     "choose_port",
@@ -82,7 +84,14 @@ def port_is_free(port: int) -> bool:
 def local_address(configured: str | None = None, handler: Any = None) -> str:
     """The address to publish as MASTER_ADDR: ``configured``, else by :mod:`rdzv_core.torch_api.address`'s rule
     with the backend endpoints of ``handler`` (its ``endpoints``; none for a handler without them)."""
-    return published_address(configured, getattr(handler, "endpoints", ()))
+    return published_address(configured, _endpoints(handler))
+
+
+def _endpoints(handler: Any) -> tuple[address.Endpoint, ...]:
+    """The backend endpoints of rdzv's ``handler`` (:class:`~rdzv_core.torch_api.handler.ElasticHandler`);
+    ``()`` for others."""
+    elastic = elastic_handler(handler)
+    return () if elastic is None else elastic.endpoints
 
 
 #: The variable gloo reads for the interface it binds and announces (torch's ``ProcessGroupGloo``).
@@ -101,7 +110,7 @@ def worker_network_env(parent_env: Mapping[str, str], configured: str | None = N
     """
     if GLOO_IFNAME_ENV in parent_env or address.name_resolves():
         return {}
-    chosen, _ = address.choose_address(configured, getattr(handler, "endpoints", ()))
+    chosen, _ = address.choose_address(configured, _endpoints(handler))
     interface = address.interface_of(chosen)
     if interface is None or interface == "lo":
         return {}

@@ -1,6 +1,5 @@
 """Backend-neutral helpers for threads that share one backend object.
 
-* :class:`Deadline` -- an absolute ``time.monotonic()`` deadline with jittered backoff;
 * :class:`RaceRetry` -- when an optimistic read-modify-write that lost a race tries again;
 * :class:`AddCombiner` -- concurrent ``add`` calls on one key become one write ("flat combining");
 * :class:`ReadCoalescer` -- concurrent identical reads share requests, each as fresh as its own;
@@ -13,55 +12,20 @@ Nothing here knows a server or a client library; the etcd backends use all of it
 from __future__ import annotations
 
 import copy
-import random
 import threading
-import time
 from typing import Callable, Generic, Hashable, TypeVar, cast
 
+from rdzv_core.backoff import Backoff
+from rdzv_core.deadlines import Deadline
 from rdzv_core.errors import BackendTimeoutError, KVError
 
-__all__ = ["Deadline", "RaceRetry", "AddCombiner", "ReadCoalescer", "copy_error"]
+__all__ = ["RaceRetry", "AddCombiner", "ReadCoalescer", "copy_error"]
 
 T = TypeVar("T")
 
-_BACKOFF_FIRST = 0.05
-_BACKOFF_CAP = 1.0
 #: RaceRetry's contention pause window: first and largest (seconds).
 _CONTENTION_FIRST = 0.002
 _CONTENTION_CAP = 0.5
-
-
-class Deadline:
-    """An absolute ``time.monotonic()`` deadline, shared by the attempts of one operation.
-
-    Args:
-        seconds: time from now (float >= 0).
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.at = time.monotonic() + seconds
-        self._backoffs = 0
-
-    def remaining(self) -> float:
-        """Seconds left (0.0 once passed)."""
-        return max(0.0, self.at - time.monotonic())
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.at
-
-    def backoff(self) -> bool:
-        """Sleep a jittered, exponentially growing delay (50 ms doubling to 1 s, "full jitter" halved).
-
-        Returns:
-            ``False`` (without sleeping) if no time is left, else ``True``.
-        """
-        remaining = self.remaining()
-        if remaining <= 0:
-            return False
-        cap = min(_BACKOFF_CAP, _BACKOFF_FIRST * (2**self._backoffs))
-        self._backoffs += 1
-        time.sleep(min(remaining, random.uniform(cap / 2, cap)))
-        return True
 
 
 D = TypeVar("D", bound=Deadline)
@@ -74,16 +38,16 @@ class RaceRetry:
     retries at once with the state the answer carried -- the first time, and
     right after a pause. A second loss in a row with that fresh state means
     contention: the call pauses a random time in [0, w) first, w = 2 ms doubling
-    per pause up to 0.5 s (exponential backoff with "full jitter", as in Brooker,
-    "Exponential Backoff And Jitter", AWS Architecture Blog, 2015). Without
+    per pause up to 0.5 s (:class:`~rdzv_core.backoff.Backoff`: exponential backoff with
+    "full jitter", as in Brooker, "Exponential Backoff And Jitter", AWS Architecture Blog, 2015). Without
     pauses N clients arriving at one counter at once make about N^2/2 attempts
     (at N = 1,024 independent clients on etcd v3 no round formed within 40 s);
     with them about 2 N log2(N) and the key's writes stay close to one per round
     trip. A loss without progress retries once at once, then with
-    :meth:`Deadline.backoff`. Nothing retries past the deadline.
+    :meth:`~rdzv_core.deadlines.Deadline.backoff`. Nothing retries past the deadline.
 
     Args:
-        deadline: the operation's :class:`Deadline`.
+        deadline: the operation's :class:`~rdzv_core.deadlines.Deadline`.
     """
 
     def __init__(self, deadline: Deadline) -> None:
@@ -92,6 +56,7 @@ class RaceRetry:
         self.pauses = 0  # contention pauses taken
         self._stalls = 0
         self._lost = 0  # lost attempts in a row that saw progress
+        self._contention = Backoff(base=_CONTENTION_FIRST, cap=_CONTENTION_CAP)
 
     def again(self, progressed: bool) -> bool:
         """Note a lost attempt (sleeping as described above); ``False`` once the deadline has passed.
@@ -107,9 +72,8 @@ class RaceRetry:
             self._lost += 1
             if self._lost % 2:  # the first loss, or the one right after a pause: its state was stale
                 return True
-            window = min(_CONTENTION_CAP, _CONTENTION_FIRST * (2**self.pauses))
             self.pauses += 1
-            time.sleep(min(self.deadline.remaining(), random.uniform(0.0, window)))
+            self._contention.sleep(self.deadline.at)
             return not self.deadline.expired()
         self._lost = 0
         self._stalls += 1

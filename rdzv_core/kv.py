@@ -51,9 +51,11 @@ Tickets
 Deadlines
     Every call returns or raises within the backend's ``operation_timeout``. A
     caller with a tighter bound (the c10d Store: its timeout) wraps its calls in
-    :func:`deadline` (:mod:`rdzv_core.deadlines`); a backend gives each request it sends ``call_budget(its
+    :func:`call_deadline` (:mod:`rdzv_core.deadlines`); a backend gives each request it sends ``call_budget(its
     operation_timeout)`` seconds, so the call ends by the caller's deadline too
     (a small margin aside), with :class:`~rdzv_core.errors.BackendTimeoutError`.
+    A backend that retries within one operation may share a :class:`Deadline`
+    (an absolute time with the back-off between attempts) among them.
 Corrupt storage
     Data at a key that this protocol did not write (a value of the wrong storage
     type, unparseable bookkeeping) makes ``get``/``list``/``add``/... raise
@@ -71,7 +73,7 @@ import re
 import time
 from dataclasses import dataclass
 from types import TracebackType
-from .deadlines import budget_text, call_budget, deadline  # re-exported: part of the protocol
+from .deadlines import Deadline, budget_text, call_budget, call_deadline  # re-exported: part of the protocol
 from .deadlines import check_timeout as _check_timeout
 from .errors import BackendClosedError, CorruptEntryError, InvalidArgumentError, KeyNotFoundError, ValueTooLargeError
 from .keys import check_key, check_prefix, escape_segment, join_key, unescape_segment  # re-exported
@@ -90,7 +92,8 @@ __all__ = [
     "check_key",
     "check_prefix",
     "wait_for_change",
-    "deadline",
+    "Deadline",
+    "call_deadline",
     "call_budget",
     "budget_text",
     "parse_counter",

@@ -89,8 +89,17 @@ class BackendSpec:
         uses_path: the backend reads :attr:`RendezvousURL.path` (``file://``'s
             directory). When ``False`` (the default) a URL with a path before the
             run id is refused, so that ``/team-a/job`` and ``/team-b/job`` can
-            never silently name one run.
+            never silently name one run. A torchrun ``--rdzv-endpoint`` of such a backend is an
+            absolute directory (:func:`rdzv_core.torch_api.torchrun.endpoint_url`).
         description: one line for ``rdzv backends``.
+        server_endpoints: how many servers a URL of it names, for ``rdzv backends``: ``"one"``, ``"many"``
+            (a client that fails over among them), ``"none"`` (no server), or the plugin's own words;
+            ``None``: not said (shown as ``?``).
+        default_endpoint: the host (keyspace) name an empty torchrun ``--rdzv-endpoint`` stands for;
+            ``None``: an endpoint is required.
+
+    Whether a backend's keyspace is only its process's (torchrun's run id ``none`` then meets no other
+    job) is :attr:`Capabilities.multi_process <rdzv_core.kv.Capabilities.multi_process>`.
     """
 
     schemes: tuple[str, ...]
@@ -101,6 +110,8 @@ class BackendSpec:
     requires_host: bool = False
     uses_path: bool = False
     description: str = ""
+    server_endpoints: str | None = None
+    default_endpoint: str | None = None
 
     @property
     def name(self) -> str:

@@ -421,14 +421,15 @@ def _parses_of_one_launch(argv):
 @pytest.mark.parametrize("mode", ["url", "backend", "standalone"])
 def test_one_launch_parses_the_url_once(mode, tmp_path):
     """From ``rdzv-run``'s options to the backend's ``open``, the URL text is parsed once (none for
-    ``--standalone``, whose URL is built), with ``--rdzv-conf`` and ``--nnodes`` added to it."""
+    ``--standalone`` and ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, whose URLs are built), with
+    ``--rdzv-conf`` and ``--nnodes`` added to it."""
     argv = {"url": ["--rdzv", f"file://{tmp_path}/job?last_call_timeout=1", "--rdzv-conf", "keep_alive_ttl=5",
                     "--nnodes", "1"],
             "backend": ["--rdzv-backend", "file", "--rdzv-endpoint", str(tmp_path), "--rdzv-id", "job",
                         "--rdzv-conf", "keep_alive_ttl=5", "--nnodes", "1"],
             "standalone": ["--standalone", "--rdzv-conf", "keep_alive_ttl=5"]}[mode]
     calls = _parses_of_one_launch(argv)
-    expected = [] if mode == "standalone" else ["parse_url", "parse_qsl"]
+    expected = ["parse_url", "parse_qsl"] if mode == "url" else []
     assert sorted(calls) == sorted(expected), calls
 
 

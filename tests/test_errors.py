@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rdzv_core import errors
-from rdzv_core.kv import deadline
+from rdzv_core.kv import call_deadline
 
 
 def test_every_error_class_ends_in_error() -> None:
@@ -15,7 +15,7 @@ def test_every_error_class_ends_in_error() -> None:
 
 def test_a_bad_timeout_is_an_invalid_argument_not_a_bad_key() -> None:
     with pytest.raises(errors.InvalidArgumentError) as info:
-        with deadline(-1):
+        with call_deadline(-1):
             pass
     assert info.value.field == "timeout" and not isinstance(info.value, errors.InvalidKeyError)
     assert issubclass(errors.InvalidKeyError, errors.InvalidArgumentError)  # a bad key is a bad argument too

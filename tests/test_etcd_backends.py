@@ -30,7 +30,7 @@ from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.servers import free_port
 from conformance_tests.test_protocol import run_threads
 from rdzv_backends._concurrency import AddCombiner, RaceRetry, ReadCoalescer
-from rdzv_backends._etcd.budget import Deadline, FailureBudget
+from rdzv_backends._etcd.budget import AttemptDeadline, FailureBudget
 from rdzv_backends._etcd.settings import ttl_seconds
 from conformance_tests.plugin import backends_opened
 from rdzv_core import (
@@ -371,14 +371,14 @@ def test_guarded_write_applied_but_answer_lost(
 
 
 def test_attempts_get_a_third_of_the_deadline_doubling_after_a_timeout() -> None:
-    deadline = Deadline(9.0)
+    deadline = AttemptDeadline(9.0)
     assert 2.9 <= deadline.attempt() <= 3.0
     deadline.timed_out()
     assert 5.9 <= deadline.attempt() <= 6.0
     deadline.timed_out()
     assert 8.5 <= deadline.attempt() <= 9.0, "never past the deadline"
-    assert Deadline(0.3).attempt() <= 0.3
-    assert Deadline(1.2).attempt() == pytest.approx(0.5, abs=0.01), "at least MIN_ATTEMPT (0.5 s)"
+    assert AttemptDeadline(0.3).attempt() <= 0.3
+    assert AttemptDeadline(1.2).attempt() == pytest.approx(0.5, abs=0.01), "at least MIN_ATTEMPT (0.5 s)"
 
 
 @pytest.mark.parametrize(("code", "details", "failure"), [
@@ -743,14 +743,14 @@ def test_tls_with_client_certificates(
 
 # -- helpers ---------------------------------------------------------------------------
 def test_failure_budget_starts_at_first_failure() -> None:
-    cap = Deadline(100.0)
+    cap = AttemptDeadline(100.0)
     budget = FailureBudget(2.0, cap)
     assert budget.remaining() > 90.0, "before any failure the budget is the watch's deadline"
     budget.failed()
     assert 1.0 < budget.remaining() <= 2.0
     budget.failed()  # later failures do not extend it
     assert budget.remaining() <= 2.0
-    short = FailureBudget(10.0, Deadline(0.5))
+    short = FailureBudget(10.0, AttemptDeadline(0.5))
     short.failed()
     assert short.remaining() <= 0.5
 
@@ -995,7 +995,7 @@ def test_race_retry_pauses_under_contention() -> None:
     """A first lost race and the one right after a pause retry at once (their state was stale); a second loss in
     a row with fresh state pauses a random time below 2 ms doubling per pause (N clients on one counter would
     otherwise make ~N^2/2 attempts); a loss without progress retries once at once, then backs off."""
-    race = RaceRetry(Deadline(10.0))
+    race = RaceRetry(AttemptDeadline(10.0))
     started = time.monotonic()
     assert race.again(progressed=True) and race.pauses == 0, "the first lost race retries at once"
     for expected in range(1, 7):
@@ -1004,7 +1004,7 @@ def test_race_retry_pauses_under_contention() -> None:
     assert time.monotonic() - started < 1.0, "six pauses below 2+4+...+64 ms"
     assert race.again(progressed=False), "the first failure without progress retries at once"
     assert race.attempts == 14 and race.pauses == 6
-    short = RaceRetry(Deadline(0.3))
+    short = RaceRetry(AttemptDeadline(0.3))
     while short.again(progressed=False):
         pass
     assert short.deadline.expired() and short.again(progressed=True) is False
@@ -1018,7 +1018,7 @@ def test_add_combiner_batches_waiters_and_shares_errors() -> None:
     applied: list[int] = []
     release, entered = threading.Event(), threading.Event()
 
-    def apply(total: int, deadline: Deadline) -> int:  # the "one write" of a batch
+    def apply(total: int, deadline: AttemptDeadline) -> int:  # the "one write" of a batch
         entered.set()
         release.wait(10)
         if total >= 1000:
@@ -1032,7 +1032,7 @@ def test_add_combiner_batches_waiters_and_shares_errors() -> None:
     def call(name: str, delta: int, seconds: float) -> threading.Thread:
         def run() -> None:
             try:
-                out[name] = combiner.add("k", delta, Deadline(seconds), apply)
+                out[name] = combiner.add("k", delta, AttemptDeadline(seconds), apply)
             except BaseException as exc:  # judged below
                 out[name] = exc
 
@@ -1298,11 +1298,11 @@ def test_read_coalescer_answers_each_call_with_a_request_sent_after_it() -> None
         assert release[number].wait(30)
         return number
 
-    first = _in_thread(lambda: reads.read("k", Deadline(30), fetch))
+    first = _in_thread(lambda: reads.read("k", AttemptDeadline(30), fetch))
     assert _until(lambda: sent == [0], 10)
-    joiners = [_in_thread(lambda: reads.read("k", Deadline(30), fetch)) for _ in range(10)]
+    joiners = [_in_thread(lambda: reads.read("k", AttemptDeadline(30), fetch)) for _ in range(10)]
     assert _until(lambda: reads.waiting("k") == 10, 10)
-    other = reads.read("other", Deadline(30), lambda: "independent")  # another key is not held up
+    other = reads.read("other", AttemptDeadline(30), lambda: "independent")  # another key is not held up
     assert other == "independent" and sent == [0], "a call joined the request in flight, or sent its own"
     release[0].set()
     assert first.result(10) == 0
@@ -1320,9 +1320,9 @@ def test_read_coalescer_answers_each_call_with_a_request_sent_after_it() -> None
     def failing() -> int:
         raise BackendTimeoutError("no answer")
 
-    leader = _in_thread(lambda: reads.read("k", Deadline(30), slow))
+    leader = _in_thread(lambda: reads.read("k", AttemptDeadline(30), slow))
     assert in_flight.wait(10)
-    group = [_in_thread(lambda: reads.read("k", Deadline(30), failing)) for _ in range(5)]
+    group = [_in_thread(lambda: reads.read("k", AttemptDeadline(30), failing)) for _ in range(5)]
     assert _until(lambda: reads.waiting("k") == 5, 10)
     gate.set()
     assert leader.result(10) == 0

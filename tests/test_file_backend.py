@@ -489,7 +489,7 @@ def wait_for_poller_watches(count: int) -> None:
     from rdzv_backends.file import _watch
 
     deadline = time.monotonic() + PATIENCE
-    while sum(s.poller._count for s in _watch._SHARED.values()) < count:
+    while sum(s.poller._count for s in _watch._FILES.get().by_path.values()) < count:
         assert time.monotonic() < deadline, f"fewer than {count} watches registered with the poller"
         time.sleep(0.005)
 

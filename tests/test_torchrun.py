@@ -243,3 +243,34 @@ def test_torchrun_refused_for_its_settings_leaves_the_run_and_its_round_alone(tm
                 p.wait(30)
     assert started.read_text() == "started\n"  # the member's workers ran once: no re-rendezvous
     assert _run_is_closed("rdzv-file", endpoint, run_id)  # the member closed it at its end, as always
+
+
+def test_one_converter_serves_torchrun_and_rdzv_run() -> None:
+    """``endpoint_url`` is the one flags-to-URL converter: a handler name or a scheme, the same endpoint and
+    run-id rules; ``rdzv-run`` (no credentials on its command line) names its own options in the errors."""
+    from rdzv_agent.launch.target import backend_url
+    from rdzv_core.errors import ConfigError, InvalidURLError
+    from rdzv_core.torch_api.torchrun import endpoint_url
+
+    assert endpoint_url("rdzv-redis", "h:1", "job") == endpoint_url("redis", "h:1/", "job")
+    assert endpoint_url("memory", "", "job").hosts[0][0] == "torchrun"
+    assert endpoint_url("file", "/tmp/a b/", "job").path == "tmp/a b"
+    assert backend_url("file", "/tmp/a b", "job") == "file:///tmp/a%20b/job"
+    for backend, endpoint, run_id, field, flag in [
+        ("Redis", "h:1", "job", "rdzv_backend", "--rdzv-backend"),
+        ("redis", "h:1", "a?b", "rdzv_id", "--rdzv-id"),
+        ("redis", "h:1/x", "job", "rdzv_endpoint", "--rdzv-endpoint"),
+        ("file", "tmp/x", "job", "rdzv_endpoint", "--rdzv-endpoint"),
+        ("redis", "h\x01:1", "job", "rdzv_endpoint", "--rdzv-endpoint"),
+        ("redis", "h 1:1", "job", "host", "--rdzv-endpoint"),
+    ]:
+        with pytest.raises(InvalidURLError) as info:
+            endpoint_url(backend, endpoint, run_id)
+        assert info.value.field == field
+        with pytest.raises(ConfigError) as flag_info:
+            backend_url(backend, endpoint, run_id)
+        assert flag_info.value.field == flag
+    assert endpoint_url("redis", "u:pw@h:1", "job").password == "pw"
+    with pytest.raises(InvalidURLError) as info:
+        endpoint_url("redis", "u:pw@h:1", "job", credentials=False)
+    assert info.value.field == "rdzv_endpoint" and "pw" not in str(info.value)

@@ -77,6 +77,7 @@ import rdzv_core
 from rdzv_core.url import RendezvousURL
 
 from ..api import SignalException, WorkerFailure, WorkerGroupFailureException, WorkerSpec
+from ..elastic import elastic_handler
 from ..local import LocalElasticAgent
 from ..reporting.console import Reporter, Summary
 from ..reporting.error_files import ERROR_FILE_ENV, launcher_error_data, write_error_file
@@ -228,8 +229,10 @@ def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezv
         if isinstance(exc, ValueError):
             raise
         raise _OpenError(f"cannot open the rendezvous {url.redacted()}: {exc}") from exc
-    settings = getattr(handler, "params", None)
-    shown = {k: getattr(settings, k, None) or url.params.get(k) for k in ("min_nodes", "max_nodes", "timeout")}
+    elastic = elastic_handler(handler)
+    settings = None if elastic is None else elastic.params  # the settings the handler runs with
+    shown = {k: (None if settings is None else getattr(settings, k)) or url.params.get(k)
+             for k in ("min_nodes", "max_nodes", "timeout")}
     return handler, url.redacted(), shown
 
 
@@ -436,11 +439,11 @@ def _finish_rendezvous(handler: Any, close: bool, finished: bool = False) -> Non
 
 def _release(handler: Any, finished: bool = False) -> None:
     """``handler.release()`` if it has one (rdzv's); torch's handlers are left alone, as torch does after a signal."""
-    release = getattr(handler, "release", None)
-    if release is None:
+    elastic = elastic_handler(handler)
+    if elastic is None:
         return
     try:
-        release(finished=True) if finished else release()
+        elastic.release(finished=True) if finished else elastic.release()
     except (RendezvousError, rdzv_core.RdzvError) as exc:
         log.warning("could not leave the rendezvous cleanly: %s", exc)
 

@@ -17,8 +17,8 @@ from typing import Any, Mapping, Union
 
 from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.plugins import parse_backend_url
-from rdzv_core.torch_api.torchrun import HANDLER_PREFIX
-from rdzv_core.url import RendezvousURL, parse_netloc, parse_node_labels, redact_text, validate_run_id
+from rdzv_core.torch_api.torchrun import checked_run_id, endpoint_url
+from rdzv_core.url import RendezvousURL, parse_netloc, parse_node_labels, redact_text
 
 from .args import (
     STATIC_BACKEND,
@@ -33,8 +33,6 @@ from .args import (
 __all__ = ["LaunchTarget", "StaticRendezvous", "Standalone", "backend_url", "env_source", "as_given", "mode_of",
            "static_of", "elastic_url", "rank_request", "check_elastic_master"]
 
-_SCHEME = re.compile(r"[a-z][a-z0-9+.\-]*")
-_HOSTS = re.compile(r"[A-Za-z0-9_.\-:,\[\]%]+")  # % only as an IPv6 zone: [fe80::1%25eth0]
 
 
 @dataclass(frozen=True)
@@ -153,11 +151,7 @@ def static_of(args: argparse.Namespace) -> StaticRendezvous | None:
     if args.local_addr is not None:
         raise ConfigError("--local-addr", args.local_addr, "not used by the static rendezvous: node rank 0 "
                           "serves at --master-addr, which is also the workers' MASTER_ADDR")
-    run_id = args.rdzv_id if args.rdzv_id is not None else STATIC_DEFAULT_RUN_ID
-    try:
-        validate_run_id(run_id)
-    except InvalidURLError as exc:
-        raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+    run_id = _run_id(args.rdzv_id if args.rdzv_id is not None else STATIC_DEFAULT_RUN_ID)
     timeout = STATIC_DEFAULT_TIMEOUT
     for key, value in _rdzv_conf(args.rdzv_conf).items():
         if key not in ("timeout", "join_timeout"):
@@ -198,10 +192,7 @@ def elastic_url(args: argparse.Namespace, mode: str, url_arg: str | None) -> Ren
         run_id = args.rdzv_id  # set only when a one-node static job runs standalone
         if run_id is None:
             run_id = "standalone-" + uuid.uuid4().hex[:12]
-        try:
-            validate_run_id(run_id)
-        except InvalidURLError as exc:
-            raise ConfigError("--rdzv-id", run_id, exc.reason) from None
+        run_id = _run_id(run_id)
         _, url = parse_backend_url(RendezvousURL("file", (), "", run_id))
         nnodes: tuple[int, int] | None = (1, 1)
     elif mode == "url":
@@ -294,41 +285,40 @@ def backend_url(backend: str, endpoint: str, run_id: str) -> str:
 def _backend_url(backend: str, endpoint: str, run_id: str) -> tuple[str, RendezvousURL]:
     """``BACKEND://ENDPOINT/RUN_ID`` from ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, and it parsed.
 
-    Nothing in the three values can add a query key, a fragment, credentials
-    or a path segment: the backend must be a scheme name, the run id must pass
-    :func:`rdzv_core.url.validate_run_id` (so ``%``, ``?``, ``/`` are refused
-    rather than decoded), and ``endpoint`` is ``HOST[:PORT][,HOST[:PORT]...]``
-    optionally followed by a directory (``/tmp/rdzv`` for ``file://``), whose
-    segments are percent-quoted so that parsing the URL gives back exactly that
-    directory. The text is parsed with the backend's rules (:func:`rdzv_core.parse_backend_url`),
-    which also proves it.
+    Built by torchrun's converter, :func:`rdzv_core.torch_api.torchrun.endpoint_url` (its rules: a scheme or
+    ``rdzv-`` handler name, ``HOST[:PORT][,...]`` or a ``file`` directory, the run-id rule), without
+    credentials (they go in a ``--rdzv`` URL or ``RDZV_URL``); the text has the directory's segments
+    percent-quoted, so that parsing it gives back exactly that directory.
 
     Raises:
         ConfigError: naming ``--rdzv-backend``, ``--rdzv-endpoint`` or ``--rdzv-id`` and the value.
         UnknownBackendError: no installed backend has that name.
     """
-    if not _SCHEME.fullmatch(backend):
-        raise ConfigError("--rdzv-backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
-    backend = backend.removeprefix(HANDLER_PREFIX)  # torchrun's name of the same backend: rdzv-redis
     try:
-        validate_run_id(run_id)
+        parsed = endpoint_url(backend, endpoint, run_id, credentials=False)
     except InvalidURLError as exc:
-        raise ConfigError("--rdzv-id", run_id, exc.reason) from None
-    shown = redact_text(endpoint)  # a user may put USER:PASSWORD@ here: never echo the password
-    if not endpoint or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in endpoint):
-        raise ConfigError("--rdzv-endpoint", shown, "empty, or contains whitespace or control characters")
-    hosts, _, directory = endpoint.partition("/")
-    if hosts and not _HOSTS.fullmatch(hosts):
-        raise ConfigError("--rdzv-endpoint", shown, "expected HOST[:PORT][,HOST[:PORT]...] and/or a directory; "
-                          "credentials and query keys go in --rdzv URL (or RDZV_URL) and --rdzv-conf")
-    segments = [seg for seg in directory.split("/") if seg]
-    if any(seg in (".", "..") for seg in segments):
-        raise ConfigError("--rdzv-endpoint", shown, "'.' and '..' are not allowed in the directory")
-    url = f"{backend}://{hosts}/" + "".join(urllib.parse.quote(seg, safe="") + "/" for seg in segments) + run_id
+        raise _flag_error(exc, redact_text(endpoint)) from None
+    quoted = dataclasses.replace(parsed, path="/".join(urllib.parse.quote(s, safe="") for s in parsed.path.split("/")))
+    return quoted.redacted(), parsed
+
+
+def _flag_error(exc: InvalidURLError, endpoint_shown: str) -> ConfigError:
+    """:func:`~rdzv_core.torch_api.torchrun.endpoint_url`'s error as the error of the ``rdzv-run`` option it is
+    about."""
+    if exc.field in ("rdzv_backend", "rdzv_id"):
+        return ConfigError("--" + exc.field.replace("_", "-"), exc.value, exc.reason)
+    if exc.field == "rdzv_endpoint":
+        return ConfigError("--rdzv-endpoint", endpoint_shown, exc.reason)
+    return ConfigError("--rdzv-endpoint", endpoint_shown, f"{exc.field}: {exc.reason}")
+
+
+def _run_id(run_id: str) -> str:
+    """``--rdzv-id``'s value, checked by the one run-id rule (:func:`rdzv_core.torch_api.torchrun.checked_run_id`).
+
+    Raises:
+        ConfigError: naming ``--rdzv-id`` and the value.
+    """
     try:
-        _, parsed = parse_backend_url(url)
+        return checked_run_id(run_id)
     except InvalidURLError as exc:
-        raise ConfigError("--rdzv-endpoint", shown, f"{exc.field}: {exc.reason}") from None
-    if (parsed.run_id, parsed.path, dict(parsed.params), parsed.username) != (run_id, "/".join(segments), {}, None):
-        raise ConfigError("--rdzv-endpoint", shown, "does not give a URL with exactly this endpoint and run id")
-    return url, parsed
+        raise _flag_error(exc, "") from None

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, MutableMapping
 import psutil
 
 from ..api import WorkerFailure
+from ..elastic import elastic_handler
 from .health import positive_seconds
 from ..progress import DUMP_SIGNAL, FILE_ENV, STACK_ENV
 
@@ -278,7 +279,8 @@ class HangWatch:
     def __init__(self, handler: Any, hang_timeout: float | None = None, interval: float = DEFAULT_INTERVAL) -> None:
         self.monitor = ProgressMonitor(hang_timeout)
         self._interval = interval
-        self._publish = getattr(handler, "publish_progress", None)
+        elastic = elastic_handler(handler)
+        self._publish = None if elastic is None else elastic.publish_progress
         self._publisher: Publisher | None = None
 
     def prepare(self, envs: Mapping[int, MutableMapping[str, str]], log_dirs: Mapping[int, str | None]) -> None:

@@ -27,6 +27,8 @@ from torch.distributed.elastic.agent.server.health_check_server import HealthChe
 
 from rdzv_core.errors import ConfigError
 
+from .elastic import elastic_handler
+
 __all__ = ["Heartbeat", "HttpHealthCheckServer", "PORT_ENV", "TIMEOUT_ENV", "DEFAULT_TIMEOUT",
            "port_from_env", "timeout_from_env", "rendezvous_progress", "round_version",
            "start_server"]
@@ -223,9 +225,8 @@ def rendezvous_progress(heartbeat: Heartbeat, forward: Callable[[Any], None]) ->
 
 def round_version(handler: Any) -> int | None:
     """The version of the round rdzv's ``handler`` is in (``None`` for other handlers, e.g. torch's static)."""
-    current = getattr(getattr(handler, "rendezvous", None), "current", None)
-    version = getattr(current, "version", None)
-    return version if isinstance(version, int) else None
+    elastic = elastic_handler(handler)
+    return None if elastic is None else elastic.round_version()
 
 
 def start_server(port: int | None, timeout: float, heartbeat: Heartbeat) -> HttpHealthCheckServer | None:

@@ -2,23 +2,23 @@
 
 An etcd member can hold a request for its own request timeout (5 s and more) while a new leader serves
 within about a second, so one operation's deadline is shared by several attempts of its requests
-(:meth:`Deadline.attempt`); ``docs/backends/etcd-v2.md`` ("Failures") explains the retry rules.
+(:meth:`AttemptDeadline.attempt`); ``docs/backends/etcd-v2.md`` ("Failures") explains the retry rules.
 """
 
 from __future__ import annotations
 
 import time
 
-from rdzv_backends import _concurrency
+from rdzv_core.deadlines import Deadline
 
-__all__ = ["MIN_ATTEMPT", "Deadline", "FailureBudget", "Tries"]
+__all__ = ["MIN_ATTEMPT", "AttemptDeadline", "FailureBudget", "Tries"]
 
-#: Shortest time one attempt of a request gets (seconds); see :meth:`Deadline.attempt`.
+#: Shortest time one attempt of a request gets (seconds); see :meth:`AttemptDeadline.attempt`.
 MIN_ATTEMPT = 0.5
 
 
-class Deadline(_concurrency.Deadline):
-    """An operation's deadline whose attempts get a growing share of it.
+class AttemptDeadline(Deadline):
+    """An operation's :class:`~rdzv_core.deadlines.Deadline` whose attempts get a growing share of it.
 
     Args:
         seconds: time from now (float >= 0).
@@ -45,7 +45,7 @@ class Deadline(_concurrency.Deadline):
         """Note a transport failure (see :class:`FailureBudget`); a plain deadline ignores it."""
 
 
-class FailureBudget(Deadline):
+class FailureBudget(AttemptDeadline):
     """How long a long poll (a watch) may retry transport failures.
 
     ``seconds`` counted from the first failure (so a server lost an hour into a
@@ -53,7 +53,7 @@ class FailureBudget(Deadline):
     deadline). Before any failure it is ``cap``.
     """
 
-    def __init__(self, seconds: float, cap: Deadline) -> None:
+    def __init__(self, seconds: float, cap: AttemptDeadline) -> None:
         super().__init__(0.0)
         self.seconds = seconds
         self.cap = cap

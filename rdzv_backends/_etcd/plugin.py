@@ -32,4 +32,4 @@ def etcd_spec(
 
     open_etcd.__qualname__ = open_etcd.__name__ = f"open_{schemes[0].replace('-', '_')}"
     return BackendSpec(schemes=schemes, open=open_etcd, capabilities=capabilities, default_port=DEFAULT_PORT,
-                       query_keys=QUERY_KEYS, requires_host=True, description=description)
+                       query_keys=QUERY_KEYS, requires_host=True, description=description, server_endpoints="many")

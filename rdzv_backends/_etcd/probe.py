@@ -20,7 +20,7 @@ from rdzv_core.errors import InvalidURLError
 from .._tls import where as _where
 
 if TYPE_CHECKING:
-    from .budget import Deadline
+    from .budget import AttemptDeadline
     from .settings import EtcdSettings
 
 __all__ = ["etcd_version", "not_etcd", "probe_http", "PROBE_SECONDS"]
@@ -71,7 +71,7 @@ def _speaks_tls(host: str, port: int, seconds: float) -> bool:
         return False
 
 
-def probe_http(settings: EtcdSettings, deadline: Deadline) -> list[int]:
+def probe_http(settings: EtcdSettings, deadline: AttemptDeadline) -> list[int]:
     """At open, for ``protocol=http``: ``GET /version`` on every endpoint (at most :data:`PROBE_SECONDS` each).
 
     Endpoints that refuse the connection, cannot be reached or stay silent are skipped: the backend's own

@@ -17,7 +17,7 @@ from rdzv_core.errors import InvalidURLError
 from .._tls import certificate_error, handshake, refused_certificate, tls_context, where as _where
 
 if TYPE_CHECKING:
-    from .budget import Deadline
+    from .budget import AttemptDeadline
 
 __all__ = ["TLSSettings", "tls_context", "check_tls"]
 
@@ -53,7 +53,7 @@ def _plain_http(host: str, port: int, where: str, seconds: float) -> bool:
     return answer.startswith(b"HTTP/") and b"to an HTTPS server" not in answer
 
 
-def check_tls(settings: TLSSettings, deadline: Deadline) -> None:
+def check_tls(settings: TLSSettings, deadline: AttemptDeadline) -> None:
     """At open, for ``protocol=https``: one TLS handshake (and ``GET /version``) with Python's ``ssl``.
 
     The first endpoint that answers decides; endpoints that cannot be reached

@@ -25,7 +25,7 @@ from rdzv_core.errors import (
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
 from .._concurrency import AddCombiner, RaceRetry
-from .._etcd.budget import Deadline, FailureBudget, Tries
+from .._etcd.budget import AttemptDeadline, FailureBudget, Tries
 from .._etcd.errors import key_gone, may_have_applied
 from .._etcd.settings import V2_CAPABILITIES, EtcdSettings, ttl_seconds
 from .._etcd.probe import probe_http
@@ -97,11 +97,11 @@ class EtcdV2Backend(KVBackend):
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
         self._net = Transport(settings, self._check_open, lambda: self._closed)
-        self._adds: AddCombiner[Deadline] = AddCombiner()
+        self._adds: AddCombiner[AttemptDeadline] = AddCombiner()
         self._counters: dict[str, Counter] = {}  # key -> state last written by add (see _add_once)
         self._indexes: dict[str, int] = {}  # key -> modifiedIndex of its last TTL write seen (see _do_refresh)
         try:
-            opening = Deadline(settings.operation_timeout)
+            opening = AttemptDeadline(settings.operation_timeout)
             answering = probe_http(settings, opening)  # a TLS-only etcd or a server that is not etcd at once
             self._net.endpoints.prefer(answering)  # not a silent first endpoint again: the open's time is short
             check_tls(settings, opening)  # names a wrong cacert or cert (urllib3's error would not)
@@ -113,9 +113,9 @@ class EtcdV2Backend(KVBackend):
     def __repr__(self) -> str:
         return f"EtcdV2Backend({self.settings.describe()!r})"
 
-    def _deadline(self) -> Deadline:
-        """One operation's deadline: ``operation_timeout``, or the caller's (``rdzv_core.kv.deadline``) if sooner."""
-        return Deadline(call_budget(self.settings.operation_timeout))
+    def _deadline(self) -> AttemptDeadline:
+        """One operation's deadline: ``operation_timeout``, or the caller's (``kv.call_deadline``) if sooner."""
+        return AttemptDeadline(call_budget(self.settings.operation_timeout))
 
     # -- reads -------------------------------------------------------------------
     def _do_get(self, key: str) -> Entry | None:
@@ -150,7 +150,7 @@ class EtcdV2Backend(KVBackend):
         return None if ttl is None else float(max(0, int(ttl)))
 
     # -- writes ------------------------------------------------------------------
-    def _write(self, key: str, params: dict[str, str], deadline: Deadline, tries: Tries | None = None) -> Answer:
+    def _write(self, key: str, params: dict[str, str], deadline: AttemptDeadline, tries: Tries | None = None) -> Answer:
         answer = self._net.call("PUT", node_path(key), params, deadline, tries)
         if answer.code in (NOT_FILE, NOT_DIR):
             raise unexpected(answer, key)
@@ -167,7 +167,7 @@ class EtcdV2Backend(KVBackend):
             self._indexes.clear()
         self._indexes[key] = index
 
-    def _read_node(self, key: str, deadline: Deadline) -> dict[str, Any] | None:
+    def _read_node(self, key: str, deadline: AttemptDeadline) -> dict[str, Any] | None:
         """The v2 node at ``key`` (a value or a directory), ``None`` if absent."""
         answer = self._net.call("GET", node_path(key), dict(QUORUM), deadline)
         if not answer.ok:
@@ -253,7 +253,7 @@ class EtcdV2Backend(KVBackend):
             return False
         raise unexpected(answer, key)
 
-    def _prune(self, key: str, deadline: Deadline) -> None:
+    def _prune(self, key: str, deadline: AttemptDeadline) -> None:
         """After ``key`` was deleted, remove the directories on its path that it left empty (v2 makes them
         implicitly, so each round left its own behind), deepest first, never the root.
 
@@ -273,7 +273,7 @@ class EtcdV2Backend(KVBackend):
                 return
             segments.pop()
 
-    def _delete_blocking(self, key: str, blocking: str, deadline: Deadline) -> None:
+    def _delete_blocking(self, key: str, blocking: str, deadline: AttemptDeadline) -> None:
         """Delete the value node ``blocking`` (a node key) that stands where a directory of ``key``'s node
         path belongs."""
         if not node_key(key).startswith(blocking.rstrip("/") + "/") or key_of(blocking) is not None:
@@ -328,7 +328,7 @@ class EtcdV2Backend(KVBackend):
             count += 1
         return count
 
-    def _refreshable_index(self, key: str, deadline: Deadline) -> int:
+    def _refreshable_index(self, key: str, deadline: AttemptDeadline) -> int:
         """``key``'s ``modifiedIndex`` read from etcd; raises as an unguarded refresh of it would."""
         answer = self._net.call("GET", node_path(key), dict(QUORUM), deadline)
         if answer.code == KEY_NOT_FOUND:
@@ -344,7 +344,7 @@ class EtcdV2Backend(KVBackend):
     def _do_add(self, key: str, delta: int) -> int:
         return self._adds.add(key, delta, self._deadline(), lambda total, dl: self._add_once(key, total, dl))
 
-    def _add_once(self, key: str, delta: int, deadline: Deadline) -> int:
+    def _add_once(self, key: str, delta: int, deadline: AttemptDeadline) -> int:
         """Add ``delta`` to ``key`` with one successful compare-and-swap; return the new value.
 
         See "Writes" in ``docs/backends/etcd-v2.md`` for the attempts and when they read.
@@ -421,7 +421,7 @@ class EtcdV2Backend(KVBackend):
             raise KeyNotFoundError(f"ticket key {key!r} was deleted while a ticket was taken", key)
         return found
 
-    def _find_ticket(self, key: str, token: str, deadline: Deadline) -> int | None:
+    def _find_ticket(self, key: str, token: str, deadline: AttemptDeadline) -> int | None:
         """The place (1-based) of the in-order key holding ``token`` in ``key``'s ticket directory, if any."""
         answer = self._net.call("GET", node_path(key), {"sorted": "true", **QUORUM}, deadline)
         if not answer.ok:
@@ -433,7 +433,7 @@ class EtcdV2Backend(KVBackend):
                 return place
         return None
 
-    def _read_counter(self, key: str, deadline: Deadline) -> Counter | None:
+    def _read_counter(self, key: str, deadline: AttemptDeadline) -> Counter | None:
         """The counter node at ``key`` (``None`` if absent); :class:`CorruptEntryError` for a directory."""
         node = self._read_node(key, deadline)
         if node is None:
@@ -459,7 +459,7 @@ class EtcdV2Backend(KVBackend):
 
     # -- watch -------------------------------------------------------------------
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
-        poll = Deadline(timeout)
+        poll = AttemptDeadline(timeout)
         failures = FailureBudget(call_budget(self.settings.operation_timeout), poll)
         wait_index = after_revision + 1
         while True:

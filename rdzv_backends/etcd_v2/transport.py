@@ -28,7 +28,7 @@ from rdzv_core.errors import (
 )
 from rdzv_core.kv import call_budget
 
-from .._etcd.budget import Deadline, Tries
+from .._etcd.budget import AttemptDeadline, Tries
 from .._etcd.endpoints import Endpoints
 from .._etcd.errors import Failure, give_up, transport_error
 from .._etcd.probe import answered, etcd_version, not_etcd
@@ -132,12 +132,12 @@ class Transport:
         return Tries(self.seen)
 
     def call(
-        self, method: str, path: str, params: dict[str, str], deadline: Deadline, tries: Tries | None = None,
+        self, method: str, path: str, params: dict[str, str], deadline: AttemptDeadline, tries: Tries | None = None,
         *, resend: bool = True,
     ) -> Answer:
         """Send one request, failing over between endpoints until ``deadline``.
 
-        Each attempt gets :meth:`~rdzv_backends._etcd.budget.Deadline.attempt` seconds; every transport
+        Each attempt gets :meth:`~rdzv_backends._etcd.budget.AttemptDeadline.attempt` seconds; every transport
         failure is retried.
 
         Args:
@@ -163,10 +163,10 @@ class Transport:
         method: str,
         path: str,
         params: dict[str, str],
-        deadline: Deadline,
+        deadline: AttemptDeadline,
         *,
         tries: Tries | None,
-        poll: Deadline | None,
+        poll: AttemptDeadline | None,
         resend: bool = True,
     ) -> Answer | None:
         """:meth:`call`; with ``poll`` (a watch's deadline) a long poll that times out returns ``None``."""
@@ -220,7 +220,7 @@ class Transport:
             if not deadline.backoff():
                 raise give_up(self.settings, what, last, refused=refused, tries=tries) from None
 
-    def _attempt_failed(self, index: int, deadline: Deadline, tries: Tries | None, error: BaseException) -> None:
+    def _attempt_failed(self, index: int, deadline: AttemptDeadline, tries: Tries | None, error: BaseException) -> None:
         """Book a failed attempt on endpoint ``index`` (``tries``: the attempt may have been applied)."""
         self.endpoints.failed(index)
         deadline.failed()
@@ -307,7 +307,7 @@ class Transport:
             return version, "etcd's version"
         return None, answered(response.status, data)
 
-    def probe(self, deadline: Deadline) -> None:
+    def probe(self, deadline: AttemptDeadline) -> None:
         """Check at open that some endpoint serves the v2 API."""
         answer = self.call("GET", "/", {}, deadline)
         if not answer.ok and answer.code != KEY_NOT_FOUND:

@@ -23,7 +23,7 @@ from rdzv_core.errors import (
 from rdzv_core.kv import call_budget, Entry, Event, KVBackend, parse_counter
 
 from .._concurrency import AddCombiner, RaceRetry, ReadCoalescer
-from .._etcd.budget import Deadline, FailureBudget, Tries
+from .._etcd.budget import AttemptDeadline, FailureBudget, Tries
 from .._etcd.errors import compare_error, key_gone, may_have_applied
 from .._etcd.settings import MAX_VALUE_BYTES, V3_CAPABILITIES, EtcdSettings, ttl_seconds
 from .._etcd.probe import probe_http
@@ -71,19 +71,19 @@ class EtcdV3Backend(KVBackend):
 
     def __init__(self, settings: EtcdSettings) -> None:
         self.settings = settings
-        opening = Deadline(settings.operation_timeout)
+        opening = AttemptDeadline(settings.operation_timeout)
         answering = probe_http(settings, opening)  # a TLS-only etcd or not etcd at once: gRPC would retry
         check_tls(settings, opening)  # a wrong cacert or cert at once: gRPC retries its handshake until the deadline
         self._net = Transport(settings, self._check_open, lambda: self._closed)
         self._net.endpoints.prefer(answering)  # not a silent first endpoint again: the open's time is short
         self._min_ttl = 0  # etcd's minimum lease TTL (seconds), once a grant revealed it
-        self._adds: AddCombiner[Deadline] = AddCombiner()
+        self._adds: AddCombiner[AttemptDeadline] = AddCombiner()
         self._reads = ReadCoalescer()
         self._counters: dict[str, Counter] = {}  # key -> state last written by add (see _add_once)
         self._refresh_slots = threading.BoundedSemaphore(REFRESH_CONCURRENCY)
         try:
             if settings.username is not None:
-                self._net.authenticate(Deadline(settings.operation_timeout))
+                self._net.authenticate(AttemptDeadline(settings.operation_timeout))
             self._net.call(lambda ep, t, md: ep.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md),
                            opening, what="status")
             self._net.open_streams()
@@ -94,16 +94,16 @@ class EtcdV3Backend(KVBackend):
     def __repr__(self) -> str:
         return f"EtcdV3Backend({self.settings.describe()!r})"
 
-    def _deadline(self) -> Deadline:
-        """One operation's deadline: ``operation_timeout``, or the caller's (``rdzv_core.kv.deadline``) if sooner."""
-        return Deadline(call_budget(self.settings.operation_timeout))
+    def _deadline(self) -> AttemptDeadline:
+        """One operation's deadline: ``operation_timeout``, or the caller's (``kv.call_deadline``) if sooner."""
+        return AttemptDeadline(call_budget(self.settings.operation_timeout))
 
-    def _txn(self, request: Any, deadline: Deadline, what: str, tries: Tries | None = None) -> Any:
+    def _txn(self, request: Any, deadline: AttemptDeadline, what: str, tries: Tries | None = None) -> Any:
         return self._net.call(lambda ep, t, md: ep.kv.Txn(request, timeout=t, metadata=md), deadline,
                               what=what, tries=tries)
 
     # -- leases --------------------------------------------------------------------
-    def _grant(self, ttl: float | None, deadline: Deadline) -> int:
+    def _grant(self, ttl: float | None, deadline: AttemptDeadline) -> int:
         """A new lease for ``ttl`` seconds (rounded up), or ``0`` for no TTL."""
         if ttl is None:
             return 0
@@ -116,25 +116,25 @@ class EtcdV3Backend(KVBackend):
             self._min_ttl = int(answer.TTL)
         return int(answer.ID)
 
-    def _revoke(self, lease: int, deadline: Deadline) -> None:
+    def _revoke(self, lease: int, deadline: AttemptDeadline) -> None:
         """Revoke ``lease`` within ``deadline`` (at most 2 s; best effort: a lease without keys just runs out)."""
         if not lease:
             return
         request = etcdrpc.LeaseRevokeRequest(ID=lease)
         try:
             self._net.call(lambda ep, t, md: ep.lease.LeaseRevoke(request, timeout=t, metadata=md),
-                           Deadline(min(2.0, deadline.remaining())), what="lease revoke")
+                           AttemptDeadline(min(2.0, deadline.remaining())), what="lease revoke")
         except (BackendUnavailableError, ServerError) as exc:
             log.debug("lease %x not revoked (it will run out): %s", lease, exc)
 
-    def _keepalive(self, lease: int, deadline: Deadline) -> int:
+    def _keepalive(self, lease: int, deadline: AttemptDeadline) -> int:
         """Send one keep-alive for ``lease`` on the endpoint's keep-alive stream (:mod:`.lease_stream`); return
         its granted TTL (seconds), 0 if it is gone."""
         return self._net.call(lambda ep, t, md: ep.lease_stream(md).keep_alive(lease, t), deadline,
                               what="lease keep-alive")
 
     # -- reads -----------------------------------------------------------------------
-    def _get_kv(self, key: str, deadline: Deadline) -> Any | None:
+    def _get_kv(self, key: str, deadline: AttemptDeadline) -> Any | None:
         request = range_request(v3_key(key))
         answer = self._net.call(lambda ep, t, md: ep.kv.Range(request, timeout=t, metadata=md), deadline,
                                 what=f"get {key!r}")
@@ -200,7 +200,7 @@ class EtcdV3Backend(KVBackend):
         self._revoke_replaced(answer.prev_kv, lease, deadline)
         return Entry(key, value, int(answer.header.revision))
 
-    def _on_lease(self, ttl: float | None, deadline: Deadline, key: str, value: bytes,
+    def _on_lease(self, ttl: float | None, deadline: AttemptDeadline, key: str, value: bytes,
                   send: Callable[[int, Tries], Any]) -> tuple[Any, int, Tries]:
         """``send(lease, tries)`` a write of ``value`` on a new lease for ``ttl`` (revoked if the write fails);
         return ``(answer, lease, tries)``.
@@ -227,7 +227,7 @@ class EtcdV3Backend(KVBackend):
                 _raise_if_too_large(exc, key, value)
                 raise
 
-    def _revoke_replaced(self, prev_kv: Any, new_lease: int, deadline: Deadline) -> None:
+    def _revoke_replaced(self, prev_kv: Any, new_lease: int, deadline: AttemptDeadline) -> None:
         """After a write replaced ``prev_kv``, revoke the lease it had (one lease per key)."""
         if prev_kv is not None and prev_kv.lease and prev_kv.lease != new_lease:
             self._revoke(int(prev_kv.lease), deadline)
@@ -291,7 +291,7 @@ class EtcdV3Backend(KVBackend):
         finally:
             self._refresh_slots.release()
 
-    def _refresh_once(self, key: str, ttl: float, deadline: Deadline) -> None:
+    def _refresh_once(self, key: str, ttl: float, deadline: AttemptDeadline) -> None:
         wanted = ttl_seconds(ttl)
         while True:
             kv = self._get_kv(key, deadline)
@@ -319,7 +319,7 @@ class EtcdV3Backend(KVBackend):
         """The TTL a new lease of ``wanted`` seconds gets (etcd raises it to its minimum, once seen)."""
         return max(wanted, self._min_ttl)
 
-    def _reput(self, key: str, kv: Any, ttl: float, deadline: Deadline) -> bool:
+    def _reput(self, key: str, kv: Any, ttl: float, deadline: AttemptDeadline) -> bool:
         """Put ``kv``'s value again on a new lease, if it is unchanged; ``False`` if it changed."""
         lease = self._grant(ttl, deadline)
         k = v3_key(key)
@@ -344,7 +344,7 @@ class EtcdV3Backend(KVBackend):
     def _do_add(self, key: str, delta: int) -> int:
         return self._adds.add(key, delta, self._deadline(), lambda total, dl: self._add_once(key, total, dl))
 
-    def _add_once(self, key: str, delta: int, deadline: Deadline) -> int:
+    def _add_once(self, key: str, delta: int, deadline: AttemptDeadline) -> int:
         """Add ``delta`` to ``key`` in one successful transaction; return the new value.
 
         Each attempt is ONE transaction ``if mod_revision(key) == R: put(value + delta)
@@ -428,13 +428,13 @@ class EtcdV3Backend(KVBackend):
     # -- watch -----------------------------------------------------------------------
     def _do_watch(self, prefix: str, after_revision: int, timeout: float) -> list[Event]:
         start, end = prefix_range(prefix)
-        poll = Deadline(timeout)
+        poll = AttemptDeadline(timeout)
         return self._net.call(
             lambda ep, t, md: self._watch_once(ep, start, end, after_revision, poll, md),
             FailureBudget(call_budget(self.settings.operation_timeout), poll), what=f"watch {prefix!r}",
         )
 
-    def _watch_once(self, ep: Endpoint, start: bytes, end: bytes, after: int, poll: Deadline,
+    def _watch_once(self, ep: Endpoint, start: bytes, end: bytes, after: int, poll: AttemptDeadline,
                     md: Any) -> list[Event]:
         """Wait on ``ep``'s shared watch stream until an event after ``after``, an error, or ``poll`` passes.
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+
+from rdzv_core.forksafe import PerProcess
 
 from .client import etcdrpc, grpc
 
@@ -24,8 +25,15 @@ T = TypeVar("T")
 #: Name of the thread that runs the process's stream loop.
 LOOP_THREAD = "rdzv-etcd-v3-streams"
 
-_lock = threading.Lock()
-_loop: asyncio.AbstractEventLoop | None = None
+
+def _start_loop() -> asyncio.AbstractEventLoop:
+    new = asyncio.new_event_loop()
+    threading.Thread(target=new.run_forever, name=LOOP_THREAD, daemon=True).start()
+    return new
+
+
+#: The process's stream loop; a forked child starts its own (the parent's loop thread is gone).
+_LOOP: PerProcess[asyncio.AbstractEventLoop] = PerProcess(_start_loop)
 
 
 class StreamError(Exception):
@@ -45,13 +53,7 @@ class StreamError(Exception):
 
 def loop() -> asyncio.AbstractEventLoop:
     """The process's stream loop, started on a daemon thread (:data:`LOOP_THREAD`) at the first call."""
-    global _loop
-    with _lock:
-        if _loop is None:
-            new = asyncio.new_event_loop()
-            threading.Thread(target=new.run_forever, name=LOOP_THREAD, daemon=True).start()
-            _loop = new
-        return _loop
+    return _LOOP.get()
 
 
 def run(make: Callable[[], Awaitable[T]], timeout: float) -> T:
@@ -111,12 +113,3 @@ class AioEndpoint:
             pass  # the loop is gone (interpreter exit) or busy: the channel dies with the process
 
 
-def _reset_after_fork() -> None:
-    # The parent's loop thread did not survive fork(); a child that needs streams starts its own loop.
-    global _lock, _loop
-    _lock = threading.Lock()
-    _loop = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -20,7 +20,7 @@ from rdzv_core.errors import (
     KVError,
 )
 
-from .._etcd.budget import Deadline, Tries
+from .._etcd.budget import AttemptDeadline, Tries
 from .._etcd.endpoints import Endpoints
 from .._etcd.errors import Failure, give_up, transport_error
 from .._etcd.settings import EtcdSettings
@@ -210,7 +210,7 @@ class Transport:
         token = self._token
         return None if token is None else (("token", token),)
 
-    def authenticate(self, deadline: Deadline) -> None:
+    def authenticate(self, deadline: AttemptDeadline) -> None:
         """Get a fresh auth token for the URL's user (thread-safe)."""
         request = etcdrpc.AuthenticateRequest(name=self.settings.username, password=self.settings.password or "")
         with self._token_lock:
@@ -231,7 +231,7 @@ class Transport:
     def call(
         self,
         rpc: Callable[[Endpoint, float, Any], T],
-        deadline: Deadline,
+        deadline: AttemptDeadline,
         *,
         what: str,
         reauth: bool = True,
@@ -240,7 +240,7 @@ class Transport:
     ) -> T:
         """Run ``rpc(endpoint, timeout, metadata)`` on the endpoints in turn until ``deadline``.
 
-        Each attempt gets :meth:`~rdzv_backends._etcd.budget.Deadline.attempt` seconds; every transport
+        Each attempt gets :meth:`~rdzv_backends._etcd.budget.AttemptDeadline.attempt` seconds; every transport
         failure is retried.
 
         Args:

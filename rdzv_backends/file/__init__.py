@@ -17,7 +17,7 @@ from rdzv_core.url import RendezvousURL, to_positive_float
 
 if TYPE_CHECKING:
     from rdzv_backends.file._sql import HISTORY_LIMIT
-    from rdzv_backends.file._watch import _SHARED as _SHARED, POLL_MAX as POLL_MAX, POLL_MIN as POLL_MIN
+    from rdzv_backends.file._watch import _FILES as _FILES, POLL_MAX as POLL_MAX, POLL_MIN as POLL_MIN
     from rdzv_backends.file._watch import POLLER_LINGER as POLLER_LINGER
     from rdzv_backends.file.backend import FileBackend
 
@@ -44,6 +44,7 @@ plugin = backend_plugin(
         query_keys={"operation_timeout": to_positive_float},
         uses_path=True,
         description="SQLite file shared by the processes of one host (no server)",
+        server_endpoints="none",
     )
 )
 
@@ -55,5 +56,5 @@ __getattr__ = lazy_attributes(__name__, {
     "POLL_MIN": "rdzv_backends.file._watch",
     "POLL_MAX": "rdzv_backends.file._watch",
     "POLLER_LINGER": "rdzv_backends.file._watch",
-    "_SHARED": "rdzv_backends.file._watch",
+    "_FILES": "rdzv_backends.file._watch",
 })

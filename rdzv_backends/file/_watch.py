@@ -3,15 +3,14 @@
 Per process and store file one :class:`_Shared` (:func:`_shared`, keyed by the file's real path):
 the write lock threads take before ``BEGIN IMMEDIATE`` (:meth:`_Shared.transaction`) and the
 :class:`_Poller`, the one thread that polls the file for every blocked ``watch`` of the process
-(docs/backends/file.md, "Watch"). A forked child forgets them; the parent's connections go to
-:data:`_FORK_ORPHANS`, never used or closed in the child.
+(docs/backends/file.md, "Watch"). A forked child forgets them (:class:`~rdzv_core.forksafe.PerProcess`); the
+parent's connections go to :data:`_FORK_ORPHANS`, never used or closed in the child.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -31,6 +30,7 @@ from rdzv_backends.file._sql import (
     map_error,
 )
 from rdzv_core.errors import BackendTimeoutError, CorruptEntryError, HistoryCompactedError, KVError
+from rdzv_core.forksafe import PerProcess
 from rdzv_core.kv import Event, KVBackend
 
 log = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class _Poller:
     def _close_conn(self) -> None:
         """Close the poller thread's connection (only that thread calls this)."""
         conn, self.conn = self.conn, None
-        if conn is not None and self._shared.pid == os.getpid():
+        if conn is not None and self._shared.mine():
             conn.close()
 
     def _tick(self, waiters: list[_Waiter], timeout: float) -> tuple[bool, float | None]:
@@ -240,11 +240,15 @@ class _Poller:
 class _Shared:
     """Per process and store file: the write lock and the watch poller."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, files: _Files) -> None:
         self.path = path
-        self.pid = os.getpid()
+        self.files = files  # the process's registry it belongs to
         self.lock = threading.Lock()  # threads queue here before BEGIN IMMEDIATE
         self.poller = _Poller(self)
+
+    def mine(self) -> bool:
+        """Whether it belongs to this process (not to the parent of a forked child)."""
+        return _FILES.current() is self.files
 
     @contextlib.contextmanager
     def locked(self, timeout: float) -> Iterator[None]:
@@ -281,29 +285,34 @@ class _Shared:
         return result
 
 
-_SHARED: dict[str, _Shared] = {}  # realpath of the store file -> its _Shared
-_SHARED_GUARD = threading.Lock()
 # Connections inherited through fork(): never used or closed in the child.
 _FORK_ORPHANS: list[sqlite3.Connection] = []
 
 
+class _Files:
+    """One process's :class:`_Shared` per store file (keyed by its real path), and the lock guarding them."""
+
+    def __init__(self) -> None:
+        self.guard = threading.Lock()
+        self.by_path: dict[str, _Shared] = {}
+
+
+def _orphan_pollers(files: _Files) -> None:
+    """In a forked child: the parent's poller connections are never touched (their threads are gone)."""
+    _FORK_ORPHANS.extend(s.poller.conn for s in files.by_path.values() if s.poller.conn is not None)
+
+
+#: A forked child starts afresh (a parent's thread may have held a lock at fork()).
+_FILES: PerProcess[_Files] = PerProcess(_Files, forget=_orphan_pollers)
+
+
 def _shared(lock_key: str, path: str) -> _Shared:
     """This process's :class:`_Shared` for the store file ``lock_key`` (created on first use)."""
-    shared = _SHARED.get(lock_key)
+    files = _FILES.get()
+    shared = files.by_path.get(lock_key)
     if shared is None:
-        with _SHARED_GUARD:
-            shared = _SHARED.setdefault(lock_key, _Shared(path))
+        with files.guard:
+            shared = files.by_path.get(lock_key)
+            if shared is None:
+                shared = files.by_path[lock_key] = _Shared(path, files)
     return shared
-
-
-def _reset_after_fork() -> None:
-    # A parent's thread may have held a lock at fork(), and the poller threads did not survive:
-    # the child starts afresh and never touches the parent's poller connections.
-    global _SHARED_GUARD
-    _SHARED_GUARD = threading.Lock()
-    _FORK_ORPHANS.extend(s.poller.conn for s in _SHARED.values() if s.poller.conn is not None)
-    _SHARED.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -47,6 +47,7 @@ from rdzv_core.errors import (
     KeyNotFoundError,
     KVError,
 )
+from rdzv_core.forksafe import PerProcess
 from rdzv_core.kv import Entry, Event, KVBackend, call_budget, parse_counter
 
 __all__ = ["FileBackend", "HISTORY_LIMIT", "DB_NAME", "POOL_IDLE"]
@@ -61,6 +62,14 @@ POOL_IDLE = 32
 T = TypeVar("T")
 
 
+class _Idle:
+    """One process's idle connections of a :class:`_Pool`, and the lock guarding them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.conns: list[sqlite3.Connection] = []
+
+
 class _Pool:
     """Connections to one store file, each used by one thread at a time."""
 
@@ -68,20 +77,17 @@ class _Pool:
         self.path = path
         self.timeout = timeout
         self.closed = False
-        self._idle: list[sqlite3.Connection] = []
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
+        # this process's idle connections; a forked child's first use parks the parent's (never closed there)
+        self._idle: PerProcess[_Idle] = PerProcess(_Idle, forget=lambda idle: _FORK_ORPHANS.extend(idle.conns))
 
     @contextlib.contextmanager
     def connection(self) -> Iterator[sqlite3.Connection]:
         """Check a connection out for the duration of the ``with`` block."""
-        if self._pid != os.getpid():  # forked: the parent's connections (and lock state) are not ours
-            _FORK_ORPHANS.extend(self._idle)
-            self._idle, self._lock, self._pid = [], threading.Lock(), os.getpid()
-        with self._lock:
+        idle = self._idle.get()
+        with idle.lock:
             if self.closed:
                 raise BackendClosedError(f"file backend for {self.path!r} is closed")
-            conn = self._idle.pop() if self._idle else None
+            conn = idle.conns.pop() if idle.conns else None
         if conn is None:
             conn = _connect(self.path, self.timeout)
         try:
@@ -93,23 +99,23 @@ class _Pool:
                     conn.rollback()
                 except sqlite3.Error:
                     broken = True
-            with self._lock:
-                keep = not broken and not self.closed and self._pid == os.getpid() and len(self._idle) < POOL_IDLE
+            with idle.lock:
+                keep = not broken and not self.closed and self._idle.current() is idle and len(idle.conns) < POOL_IDLE
                 if keep:
-                    self._idle.append(conn)
+                    idle.conns.append(conn)
             if not keep:
                 conn.close()
 
     def close(self) -> None:
         """Close the idle connections; those in use close when they are returned."""
-        with self._lock:
+        idle = self._idle.current()  # None: no connection of this process (a forked child parked the parent's)
+        if idle is None:
             self.closed = True
-            idle, self._idle = self._idle, []
-            mine = self._pid == os.getpid()
-        if not mine:
-            _FORK_ORPHANS.extend(idle)
             return
-        for conn in idle:
+        with idle.lock:
+            self.closed = True
+            conns, idle.conns = idle.conns, []
+        for conn in conns:
             conn.close()
 
 

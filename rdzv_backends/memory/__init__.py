@@ -36,6 +36,8 @@ plugin = backend_plugin(
         open=_open,
         capabilities=CAPABILITIES,
         description="in-process keyspace shared by name (tests, simulations)",
+        server_endpoints="none",
+        default_endpoint="torchrun",  # torchrun's rdzv-memory without --rdzv-endpoint
     )
 )
 

@@ -122,6 +122,7 @@ plugin = backend_plugin(
         requires_host=True,
         description="agents on many hosts, one Redis server endpoint (Lua scripts, stream log, server-side TTLs; "
                     "rediss:// for TLS)",
+        server_endpoints="one",
     )
 )
 
@@ -141,6 +142,7 @@ sentinel_plugin = backend_plugin(
         requires_host=True,
         description="agents on many hosts, the master of a Redis Sentinel group (every sentinel a host; "
                     "?master_name=NAME): RedisBackend that follows failovers",
+        server_endpoints="many (sentinels)",
     )
 )
 

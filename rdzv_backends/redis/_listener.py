@@ -24,6 +24,7 @@ import redis
 from rdzv_backends.redis._errors import _copy_error, _ErrorMap
 from rdzv_backends.redis._lua import _INT64, _PRELUDE, _SWEEP, HISTORY_LIMIT
 from rdzv_core.errors import BackendClosedError, BackendConnectionError, BackendTimeoutError, InvalidKeyError, RdzvError
+from rdzv_core.forksafe import PerProcess
 from rdzv_core.kv import Event, EventType, KVBackend, check_key
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,18 @@ class _Channel:
         self.idle_since = time.monotonic()
 
 
+class _Notifiers:
+    """This process's notifiers by key (:meth:`_Notifier.of`), and the lock guarding them and their user counts."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_key: dict[tuple[Any, ...], _Notifier] = {}
+
+
+#: A forked child starts with none: the parent's listener threads are gone, their sockets are the parent's.
+_NOTIFIERS: PerProcess[_Notifiers] = PerProcess(_Notifiers)
+
+
 class _Notifier:
     """The pub/sub listener of the ``RedisBackend`` objects of one process that share a
     server, database, user, TLS files, namespace and ``operation_timeout`` (:meth:`of`): a thread
@@ -76,9 +89,6 @@ class _Notifier:
     backends; the last :meth:`release` ends it; the thread exits after :data:`_LISTENER_IDLE`
     seconds without waiters.
     """
-
-    _shared: dict[tuple[Any, ...], _Notifier] = {}
-    _shared_lock = threading.Lock()
 
     @classmethod
     def of(cls, key: tuple[Any, ...], errmap: _ErrorMap, index_keys: list[str], name: str,
@@ -90,17 +100,18 @@ class _Notifier:
         ``index_keys`` are the namespace's bookkeeping keys (the scripts' KEYS); ``name`` names
         the backend in logs; ``connection_args`` is ``(connection class, its keyword arguments)``.
         """
-        with cls._shared_lock:
-            notifier = cls._shared.get(key)
+        shared = _NOTIFIERS.get()
+        with shared.lock:
+            notifier = shared.by_key.get(key)
             if notifier is None:
-                notifier = cls._shared[key] = cls(key, errmap, index_keys, name, connection_args)
+                notifier = shared.by_key[key] = cls(key, errmap, index_keys, name, connection_args)
             notifier._users += 1
             return notifier
 
     def __init__(self, key: tuple[Any, ...], errmap: _ErrorMap, index_keys: list[str], name: str,
                  connection_args: tuple[type[Any], dict[str, Any]]) -> None:
         self._key = key
-        self._users = 0  # backends that hold it (under _shared_lock)
+        self._users = 0  # backends that hold it (under its _Notifiers' lock)
         # What every user has in common (no reference to a backend: a forgotten one must stay collectable).
         self._errmap = errmap
         self._index_keys, self._prefix = index_keys, errmap.prefix
@@ -136,11 +147,12 @@ class _Notifier:
                     if waiter.owner is backend:
                         waiter.wake.set()
             self._changed.notify_all()
-        with self._shared_lock:
+        shared = _NOTIFIERS.get()
+        with shared.lock:
             self._users -= 1
             last = self._users == 0
-            if last and self._shared.get(self._key) is self:
-                del self._shared[self._key]
+            if last and shared.by_key.get(self._key) is self:  # not so in a forked child: the parent's
+                del shared.by_key[self._key]
         if last:
             self.close()
 

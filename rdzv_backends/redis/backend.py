@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
 import socket
 import time
 from typing import Any, Iterator, Sequence, cast
@@ -133,7 +132,7 @@ class RedisBackend(KVBackend):
         self._pool = _Pool(lambda: connection_class(**self._connection_args[1]), max_connections, operation_timeout)
         self._scripts = {name: _Script(_PRELUDE + body) for name, body in _SCRIPTS.items()}
         self._notifier = _Notifier.of(
-            (os.getpid(), host, port, db, username, self._connection_args[1]["password"],
+            (host, port, db, username, self._connection_args[1]["password"],
              None if tls is None else (tls.cacert, tls.cert, tls.key), ns, operation_timeout),
             self._errmap, self._index_keys, repr(self), self._connection_args)
         try:
@@ -229,7 +228,7 @@ class RedisBackend(KVBackend):
         than by an error reply is disconnected (it reconnects when next used)."""
         budget = call_budget(self.operation_timeout)
         conn = self._pool.acquire(budget)
-        short = budget < self.operation_timeout  # the caller's deadline (rdzv_core.kv.deadline) is sooner
+        short = budget < self.operation_timeout  # the caller's deadline (rdzv_core.kv.call_deadline) is sooner
         try:
             sock = conn._sock  # redis-py keeps the socket there; None: not connected (yet, or any more)
             if sock is not None and _stale(sock):

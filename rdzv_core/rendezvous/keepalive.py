@@ -14,15 +14,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import os
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 from .. import observe
+from ..backoff import Backoff
 from ..errors import BackendClosedError, ConfigError, KeyExistsError, KeyNotFoundError
+from ..forksafe import PerProcess
 from ..kv import KVBackend
 from ..outage import OutageLog, Responsiveness
 
@@ -47,10 +47,11 @@ class KeepAlive:
     The first refresh is ``ttl / 3`` seconds after construction; each next one
     ``ttl / 3`` seconds after the previous returned. A refresh that fails with
     anything but :class:`~rdzv_core.errors.KeyNotFoundError` or
-    :class:`~rdzv_core.errors.BackendClosedError` is logged (WARNING) and retried after a
-    jittered ``0.25 .. 0.5 * ttl / 3`` seconds. ``KeyNotFoundError``: ``lapsed`` is set and
-    the key is written again with ``kv.create(key, value, ttl)`` (or, with ``value``
-    ``None``, refreshing ends). ``BackendClosedError`` ends refreshing.
+    :class:`~rdzv_core.errors.BackendClosedError` is logged (WARNING) and retried after
+    ``0 .. 0.5 * ttl / 3`` seconds (full jitter, :class:`~rdzv_core.backoff.Backoff`).
+    ``KeyNotFoundError``: ``lapsed`` is set and the key is written again with
+    ``kv.create(key, value, ttl)`` (or, with ``value`` ``None``, refreshing ends).
+    ``BackendClosedError`` ends refreshing.
 
     Args:
         kv: the backend.
@@ -85,6 +86,7 @@ class KeepAlive:
             raise ConfigError("ttl", ttl, "a keep-alive TTL must be a positive number of seconds")
         self.kv, self.key, self.ttl, self.value, self.name = kv, key, ttl, value, name
         self.interval = ttl / 3  #: seconds between refreshes
+        self._retry = Backoff(base=self.interval / 2, cap=self.interval / 2)  # a failed refresh or write: retry
         self.on_refresh = on_refresh
         self.on_lapse = on_lapse
         self.lapsed = threading.Event()
@@ -97,15 +99,19 @@ class KeepAlive:
         self._idle = threading.Event()  # no refresh of this key in flight
         self._idle.set()
         self._worker: threading.Thread | None = None  # the pool thread running this key's refresh
-        self._pid = os.getpid()
-        _scheduler().add(self, time.monotonic() + self.interval)
+        self._scheduler = _SCHEDULER.get()  # the one of the process this key is refreshed in
+        self._scheduler.add(self, time.monotonic() + self.interval)
 
     def __repr__(self) -> str:
         return f"KeepAlive({self.name!r}, key={self.key!r}, ttl={self.ttl}, alive={self.is_alive()})"
 
     def is_alive(self) -> bool:
         """Whether the key is still being refreshed (not stopped, backend not closed) in this process."""
-        return not self._ended and self._pid == os.getpid()
+        return not self._ended and self._here()
+
+    def _here(self) -> bool:
+        """Whether this process is the one the key was made in (not a forked child)."""
+        return _SCHEDULER.current() is self._scheduler
 
     def stop(self) -> None:
         """Stop refreshing (the key is left to the caller).
@@ -118,7 +124,7 @@ class KeepAlive:
         """
         with self._lock:
             self._stopped = self._ended = True
-        if self._pid == os.getpid() and self._worker is not threading.current_thread():
+        if self._here() and self._worker is not threading.current_thread():
             if not self._idle.wait(STOP_WAIT):
                 log.warning("keep-alive %s: a refresh of %s still runs %.0f s after stop()",
                             self.name, self.key, STOP_WAIT)
@@ -138,7 +144,7 @@ class KeepAlive:
             if wait is None:
                 self._ended = True
             elif not self._ended:
-                _scheduler().add(self, time.monotonic() + wait)
+                self._scheduler.add(self, time.monotonic() + wait)
             self._idle.set()
 
     def _tick(self) -> None:
@@ -181,7 +187,7 @@ class KeepAlive:
         except Exception as exc:  # keep trying until stopped; never end silently
             self.responsiveness.record(started, ended := time.monotonic(), ok=False)
             observe.keepalive_refresh(ended - started, exc)
-            wait = random.uniform(0.25, 0.5) * self.interval
+            wait = self._retry.delay()
             # a server down for a minute is one WARNING line, not hundreds
             self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
                                 self.key, wait, exc)
@@ -211,7 +217,7 @@ class KeepAlive:
             return None
         except Exception as exc:  # as for a failed refresh: retry soon, never end silently
             self.responsiveness.broken()
-            wait = random.uniform(0.25, 0.5) * self.interval
+            wait = self._retry.delay()
             log.warning("keep-alive key %s could not be written again (retrying in %.2f s): %s", self.key, wait, exc)
             return wait
         else:
@@ -256,25 +262,5 @@ class _Scheduler:
                     ka._release(None)
 
 
-_lock = threading.Lock()
-_current: _Scheduler | None = None
-
-
-def _scheduler() -> _Scheduler:
-    """This process's scheduler (made on first use)."""
-    global _current
-    with _lock:
-        if _current is None:
-            _current = _Scheduler()
-        return _current
-
-
-def _reset_after_fork() -> None:
-    # The parent's scheduler and pool threads did not survive fork(), and a lock may have been held.
-    global _lock, _current
-    _lock = threading.Lock()
-    _current = None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)
+#: This process's scheduler, made on first use (a forked child makes its own: the parent's threads are gone).
+_SCHEDULER: PerProcess[_Scheduler] = PerProcess(_Scheduler)

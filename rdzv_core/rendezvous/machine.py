@@ -22,6 +22,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+from ..backoff import Backoff
 from . import roundwatch
 from ..errors import (
     BackendClosedError,
@@ -41,7 +42,7 @@ from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
 from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, missing_ranks
-from .steps import Backoff, Deadline, Held, Retry, Stall, Step, next_step
+from .steps import DeadlinePassedError, Held, Retry, Stall, Step, next_step
 
 __all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
 
@@ -233,7 +234,7 @@ class RoundMachine(Membership):
         try:
             if self._transition(version, rid, Status.JOINABLE, lambda _: frozen, deadline) is not None:
                 self._log(logging.INFO, "froze the round with %d nodes", participants, version=version)
-        except Deadline:
+        except DeadlinePassedError:
             pass
 
     def _last_call(self, version: int, rid: str | None, deadline: float) -> None:
@@ -241,7 +242,7 @@ class RoundMachine(Membership):
         ``handle_join_last_call``).
 
         Raises:
-            Deadline: the deadline passed before the round was marked.
+            DeadlinePassedError: the deadline passed before the round was marked.
         """
         p = self.params
         ttl = p.keep_alive_ttl
@@ -307,7 +308,7 @@ class RoundMachine(Membership):
             else:
                 stalled_at = None
             if time.monotonic() >= deadline:
-                raise Deadline()
+                raise DeadlinePassedError()
             wait_for_change(self.kv, self.keys.state_dir, entry.revision,
                             min(time.monotonic() + 2 * ttl, deadline), seen)
 
@@ -352,7 +353,7 @@ class RoundMachine(Membership):
                 continue
             self._progress("confirming", version, world, deadline)
             if time.monotonic() >= deadline:
-                raise Deadline()
+                raise DeadlinePassedError()
             wait_for_change(self.kv, self.keys.state_dir, entry.revision,
                             min(time.monotonic() + ttl / 3, deadline), seen)
 
@@ -382,7 +383,7 @@ class RoundMachine(Membership):
         final = RoundRecord(Status.FINAL, version, rid, participants=world, ranks=policy)
         try:
             made = self._transition(version, rid, Status.FROZEN, lambda _: final, deadline, current=(entry, record))
-        except Deadline:
+        except DeadlinePassedError:
             return
         if made is not None:
             try:

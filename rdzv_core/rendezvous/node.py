@@ -19,7 +19,7 @@ from .machine import RoundMachine
 from .params import RoundResult
 from .record import Status, encode_json, member_record, rank_of
 from .runconfig import check_run_config, shown
-from .steps import Backoff, Retry
+from .steps import Retry, attempt_backoff
 
 __all__ = ["Rendezvous"]
 
@@ -74,7 +74,7 @@ class Rendezvous(RoundMachine):
 
     def _rounds_until(self, deadline: float) -> RoundResult:
         """``next_round``'s retry loop: attempts until one completes or ``deadline`` passes."""
-        backoff = Backoff()
+        backoff = attempt_backoff()
         last_error: BackendUnavailableError | None = None
         outage = OutageLog(self._log)  # one WARNING per outage, not one per retry
         checked = False  # the run's configuration, once per next_round, before anything is joined

@@ -17,13 +17,13 @@ why they wait out an outage: ``docs/design.md`` ("Membership rules", "The backen
 from __future__ import annotations
 
 import logging
-import os
-import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ..backoff import Backoff
+from ..forksafe import PerProcess
 from ..errors import (
     BackendClosedError,
     BackendUnavailableError,
@@ -124,7 +124,7 @@ class _RoundWatch:
     def _run(self) -> None:
         outage = OutageLog(log.log)
         revision: int | None = None  # None: (re-)list before watching
-        delay = 0.05
+        backoff = Backoff(base=0.05, cap=1.0)  # between retries of backend errors
         while not self.stopped.is_set():
             kv = self._client()
             if kv is None:
@@ -142,7 +142,7 @@ class _RoundWatch:
                 events = kv.watch(self.watched.alive_prefix, revision, wait)
                 outage.recovered("round watch of run %s version %d works again", self.watched.run_id,
                                  self.watched.version)
-                delay = 0.05
+                backoff.reset()
                 if events:
                     revision = None  # a key went away, was marked re-joining, or came back: look again
                 elif self.judge_at is not None:
@@ -158,8 +158,7 @@ class _RoundWatch:
                 outage.failed("round watch of run %s version %d: backend unavailable, retrying: %s",
                               self.watched.run_id, self.watched.version, exc)
                 revision = None
-                self.stopped.wait(random.uniform(0.5, 1.0) * delay)
-                delay = min(2 * delay, 1.0)
+                self.stopped.wait(backoff.delay())
             except RdzvError as exc:  # corrupt data or a bug below: say so, keep watching (bounded rate)
                 log.warning("round watch of run %s version %d failed: %s: %s", self.watched.run_id,
                             self.watched.version, type(exc).__name__, exc)
@@ -251,8 +250,16 @@ def destroy(kv: KVBackend, watched: WatchedRound, reason: str) -> bool:
     return True
 
 
-_lock = threading.Lock()
-_watches: dict[tuple[str, int, str], _RoundWatch] = {}
+class _Watches:
+    """This process's round watches by :attr:`WatchedRound.ident`, and the lock that guards them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.by_round: dict[tuple[str, int, str], _RoundWatch] = {}
+
+
+#: Made on first use; a forked child starts with none (the parent's watch threads are gone).
+_WATCHES: PerProcess[_Watches] = PerProcess(_Watches)
 
 
 def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since | None = None,
@@ -263,10 +270,11 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
     keep-alive's :attr:`~rdzv_core.rendezvous.keepalive.KeepAlive.responsiveness`); without it, a missing key
     is acted on at once. ``on_end(watched)``: called on the watch's thread when the watch ends after
     judging a missing key and the round is over while the run goes on (destroyed here or by another node)."""
-    with _lock:
-        watch = _watches.get(watched.ident)
+    watches = _WATCHES.get()
+    with watches.lock:
+        watch = watches.by_round.get(watched.ident)
         if watch is None:
-            watch = _watches[watched.ident] = _RoundWatch(watched)
+            watch = watches.by_round[watched.ident] = _RoundWatch(watched)
             start = True
         else:
             start = False
@@ -278,30 +286,23 @@ def subscribe(member: object, kv: KVBackend, watched: WatchedRound, since: Since
 
 def unsubscribe(member: object, watched: WatchedRound) -> None:
     """Remove ``member`` from the watch of round ``watched``; the last one out stops it (does not wait)."""
-    with _lock:
-        watch = _watches.get(watched.ident)
+    watches = _WATCHES.get()
+    with watches.lock:
+        watch = watches.by_round.get(watched.ident)
         if watch is None:
             return
         with watch.lock:
             watch.subscribers.pop(member, None)
             empty = not watch.subscribers
         if empty:
-            del _watches[watched.ident]
+            del watches.by_round[watched.ident]
             watch.stopped.set()
 
 
 def watched_rounds() -> dict[tuple[str, int, str], int]:
     """``(keep-alive prefix, version, round id)`` -> subscribers of every round watched in this process."""
-    with _lock:
-        return {ident: len(w.subscribers) for ident, w in _watches.items()}
+    watches = _WATCHES.get()
+    with watches.lock:
+        return {ident: len(w.subscribers) for ident, w in watches.by_round.items()}
 
 
-def _reset_after_fork() -> None:
-    # The parent's watch threads did not survive fork(), and the lock may have been held.
-    global _lock, _watches
-    _lock = threading.Lock()
-    _watches = {}
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_after_fork)

@@ -14,7 +14,7 @@ from ..errors import CompareFailedError, CorruptEntryError, KeyExistsError, KeyN
 from ..kv import Entry, KVBackend
 from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
-from .steps import Deadline
+from .steps import DeadlinePassedError
 
 __all__ = ["RoundIO", "delete_round_record", "restore_round", "round_ended", "log"]
 
@@ -176,7 +176,7 @@ class RoundIO:
             the new entry; ``None`` if the record left ``source`` (or is another round's) first.
 
         Raises:
-            Deadline: ``deadline`` (``time.monotonic()``) passed first.
+            DeadlinePassedError: ``deadline`` (``time.monotonic()``) passed first.
         """
         while time.monotonic() < deadline:
             entry, record = current if current is not None else self._read_state()
@@ -188,7 +188,7 @@ class RoundIO:
                                                 ttl=ttl)
             except (CompareFailedError, KeyNotFoundError):
                 continue
-        raise Deadline()
+        raise DeadlinePassedError()
 
     def _destroy(self, entry: Entry, reason: str) -> bool:
         """Compare-and-delete the round record at ``entry``'s revision.

@@ -9,14 +9,14 @@ of one attempt live here too.
 from __future__ import annotations
 
 import enum
-import random
 import time
 from dataclasses import dataclass
 
+from ..backoff import Backoff
 from ..errors import RendezvousStateError
 from .record import RoundRecord, Status
 
-__all__ = ["Step", "next_step", "Held", "Retry", "Deadline", "Backoff", "Stall"]
+__all__ = ["Step", "next_step", "Held", "Retry", "DeadlinePassedError", "attempt_backoff", "Stall"]
 
 
 class Step(enum.Enum):
@@ -83,24 +83,17 @@ class Retry(Exception):
         self.credit = credit
 
 
-class Deadline(Retry):
+class DeadlinePassedError(Retry):
     """The attempt's deadline passed (a :class:`Retry` without delay)."""
 
     def __init__(self) -> None:
         super().__init__("deadline")
 
 
-class Backoff:
-    """Jittered exponential backoff: ``base`` (10 ms) doubling to ``cap`` (1 s), full jitter."""
-
-    def __init__(self, base: float = 0.01, cap: float = 1.0) -> None:
-        self.base, self.cap, self.n = base, cap, 0
-
-    def sleep(self, deadline: float) -> None:
-        """Sleep the next delay, at most until ``deadline`` (``time.monotonic()``)."""
-        delay = random.uniform(0, min(self.cap, self.base * (2**self.n)))
-        self.n = min(self.n + 1, 16)
-        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
+def attempt_backoff() -> Backoff:
+    """The pause between two attempts of ``next_round``: 10 ms doubling to 1 s, full jitter
+    (:class:`~rdzv_core.backoff.Backoff`)."""
+    return Backoff(base=0.01, cap=1.0)
 
 
 class Stall:

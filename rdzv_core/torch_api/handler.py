@@ -27,9 +27,8 @@ import datetime
 import functools
 import logging
 import os
-import random
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch.distributed as dist
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
@@ -39,6 +38,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 from .. import errors, observe
 from ..rendezvous import progress_keys
 from .address import Endpoint, published_address
+from ..backoff import Backoff
 from ..kv import KVBackend
 from ..labels import environment_labels
 from ..metered import MeteredKV
@@ -48,7 +48,7 @@ from ..rendezvous import Progress, Rendezvous, RendezvousParams
 from .store import KVStore
 from ..url import RendezvousURL
 
-__all__ = ["RdzvHandler", "HANDLER_OVERRIDES"]
+__all__ = ["RdzvHandler", "ElasticHandler", "HANDLER_OVERRIDES"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,39 @@ def _recorded(fn: Callable[..., T]) -> Callable[..., T]:
             raise
 
     return wrapper
+
+
+@runtime_checkable
+class ElasticHandler(Protocol):
+    """What an elastic agent (``rdzv-run``'s) uses from a rendezvous handler beyond torch's
+    ``RendezvousHandler``. :class:`RdzvHandler` implements it; torch's own handlers (c10d, static, etcd)
+    do not, and an agent then does without each of these. Test with ``isinstance(handler, ElasticHandler)``.
+    """
+
+    @property
+    def endpoints(self) -> tuple[Endpoint, ...]:
+        """The backend's ``(host, port)`` endpoints (``()`` without a network endpoint): the route to them
+        picks the address published as ``MASTER_ADDR``."""
+        ...
+
+    @property
+    def params(self) -> RendezvousParams:
+        """The rendezvous settings (``min_nodes``, ``max_nodes``, ``timeout`` in seconds, ...)."""
+        ...
+
+    def round_version(self) -> int | None:
+        """The version of the round this node is in (its last completed rendezvous), ``None`` outside one."""
+        ...
+
+    def publish_progress(self, workers: dict[int, tuple[int, float]], ttl: float,
+                         hang_timeout: float | None = None) -> bool:
+        """Publish this node's workers' progress (global rank -> ``(step, Unix seconds)``) for ``ttl``
+        seconds; ``False`` when it was not written (never raises on a backend error)."""
+        ...
+
+    def release(self, finished: bool = False) -> None:
+        """Leave the round and release the backend, leaving the run open for the others."""
+        ...
 
 
 class RdzvHandler(torch_api.RendezvousHandler):
@@ -210,6 +243,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
     @property
     def params(self) -> RendezvousParams:
         return self._rdzv.params
+
+    def round_version(self) -> int | None:
+        """The version of the round this node is in (its last completed rendezvous), ``None`` outside one."""
+        current = self._rdzv.current
+        return None if current is None else current.version
 
     def get_backend(self) -> str:
         return self._backend_name
@@ -351,6 +389,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             return False
         retry = min(SHUTDOWN_RETRY, self.params.timeout)
         deadline = time.monotonic() + retry
+        backoff = Backoff(base=0.5, cap=0.5)  # a constant window: up to 0.5 s between attempts
         while True:
             try:
                 self._closed_ok = self._close_unless_others_carry_on()
@@ -361,7 +400,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
                                 " %s", self._rdzv.run_id, retry, exc)
                     self._closed_ok = False
                     break
-                time.sleep(random.uniform(0.2, 0.5))
+                backoff.sleep(deadline)
             except errors.RdzvError as exc:
                 log.warning("run %s: failed to close the rendezvous at shutdown: %s: %s",
                             self._rdzv.run_id, type(exc).__name__, exc)

@@ -13,7 +13,7 @@ at ``PREFIX@qn/SEGMENT``), so they are not counted by ``num_keys``/``list_keys``
 
 Every operation returns or raises within its timeout (the call's, else the
 store's; a zero timeout is c10d's "no timeout"), whatever the backend's
-``operation_timeout``: its backend calls run under :func:`rdzv_core.kv.deadline`.
+``operation_timeout``: its backend calls run under :func:`rdzv_core.kv.call_deadline`.
 Errors are c10d's (both ``RuntimeError``, the rdzv error as ``__cause__``):
 ``torch.distributed.DistStoreError`` for a timeout -- keys not set in time, or a
 backend that did not answer in time -- and ``torch.distributed.DistNetworkError``
@@ -34,13 +34,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-import random
 import time
 from typing import Iterator, Sequence
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store as _C10dStore  # dist.Store, typed (torch's .pyi)
 
+from ..backoff import Backoff
 from ..errors import (
     BackendClosedError,
     BackendTimeoutError,
@@ -50,7 +50,7 @@ from ..errors import (
     KeyNotFoundError,
     ValueTooLargeError,
 )
-from ..kv import Entry, KVBackend, check_prefix, deadline, escape_segment, unescape_segment, wait_for_change
+from ..kv import Entry, KVBackend, call_deadline, check_prefix, escape_segment, unescape_segment, wait_for_change
 
 __all__ = ["KVStore", "DEFAULT_STORE_TIMEOUT"]
 
@@ -64,6 +64,11 @@ _QUEUE, _QUEUE_COUNTER = "@q", "@qn"
 
 #: Seconds before a wait's deadline within which a backend timeout counts as the wait's own timeout.
 _CUT_SLACK = 0.05
+
+
+def _race_backoff() -> Backoff:
+    """The pause after a compare-and-swap loop lost a race: up to 5 ms, not growing (full jitter)."""
+    return Backoff(base=0.005, cap=0.005)
 
 
 def _seconds(timeout: datetime.timedelta) -> float | None:
@@ -118,7 +123,7 @@ class KVStore(_C10dStore):
         limit = self._timeout if timeout is None else timeout
         seconds = _seconds(limit)
         try:
-            with deadline(seconds):
+            with call_deadline(seconds):
                 yield
         except BackendTimeoutError as exc:
             within = f"within {limit}" if seconds is not None else "(no Store timeout: the backend's own)"
@@ -168,6 +173,7 @@ class KVStore(_C10dStore):
         """Append ``value`` to the bytes at ``key`` (creating it), atomically (compare-and-swap loop)."""
         full, data = self._key(key), _as_bytes("value", value)
         with self._bounded("append"):
+            backoff = _race_backoff()
             while True:
                 entry = self._kv.get(full)
                 try:
@@ -177,7 +183,7 @@ class KVStore(_C10dStore):
                         self._kv.compare_and_swap(full, entry.value + data, entry.revision)
                     return
                 except (KeyExistsError, KeyNotFoundError, CompareFailedError):
-                    time.sleep(random.uniform(0, 0.005))
+                    backoff.sleep()
 
     def compare_set(self, key: str, expected_value: str | bytes, desired_value: str | bytes) -> bytes:
         """c10d ``compareSet``: store ``desired_value`` if the current value is ``expected_value``
@@ -187,6 +193,7 @@ class KVStore(_C10dStore):
         full = self._key(key)
         expected, desired = _as_bytes("expected_value", expected_value), _as_bytes("desired_value", desired_value)
         with self._bounded("compare_set"):
+            backoff = _race_backoff()
             while True:
                 entry = self._kv.get(full)
                 try:
@@ -200,7 +207,7 @@ class KVStore(_C10dStore):
                     self._kv.compare_and_swap(full, desired, entry.revision)
                     return desired
                 except (KeyExistsError, KeyNotFoundError, CompareFailedError):
-                    time.sleep(random.uniform(0, 0.005))
+                    backoff.sleep()
 
     def delete_key(self, key: str) -> bool:
         """Delete ``key``; return whether it existed."""

@@ -44,14 +44,15 @@ import re
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from ..errors import InvalidURLError
-from ..plugins import parse_backend_url
-from ..url import RendezvousURL, parse_netloc, parse_path, validate_run_id
+from ..plugins import BackendSpec, get_registry, parse_backend_url
+from ..url import RendezvousURL, parse_netloc, parse_path, redact_text, validate_run_id
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-__all__ = ["rendezvous_url", "handler_url", "derived_run_id", "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES",
-           "HANDLER_PREFIX", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
+__all__ = ["rendezvous_url", "endpoint_url", "checked_run_id", "handler_url", "derived_run_id",
+           "TORCH_DEFAULT_RUN_ID", "RUN_ID_SOURCES", "HANDLER_PREFIX",
+           "handler_creator", "etcd", "etcd_v3", "redis", "redis_sentinel", "file", "memory"]
 
 log = logging.getLogger(__name__)
 
@@ -75,13 +76,11 @@ RUN_ID_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
 #: parent job's ids, which would merge it into the parent's run.
 _WORKER_MARKER = "TORCHELASTIC_RESTART_COUNT"
 
-#: Schemes whose keyspace only this process sees: run id ``none`` cannot meet another job.
-_PROCESS_LOCAL = frozenset({"memory"})
-
 #: Values that say "no such thing": an LSF job outside an array has index 0; torch's own default id.
 _SKIP = {"LSB_JOBINDEX": "0", "TORCHELASTIC_RUN_ID": TORCH_DEFAULT_RUN_ID}
 
 _NOT_RUN_ID_CHARS = re.compile(r"[^A-Za-z0-9_.\-=+:@~]")
+_SCHEME_NAME = re.compile(r"[a-z][a-z0-9+.\-]*")
 
 
 def derived_run_id(scheme: str, environ: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -140,29 +139,11 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
         UnknownBackendError: ``scheme``'s backend is not installed.
     """
     run_id = params.run_id
-    if run_id == TORCH_DEFAULT_RUN_ID and scheme not in _PROCESS_LOCAL:
+    if run_id == TORCH_DEFAULT_RUN_ID and _spec(scheme).capabilities.multi_process:  # else no other job meets it
         run_id, source = derived_run_id(scheme)
         log.warning("rdzv-%s: torchrun was given no --rdzv-id: run id %r from %s (the same on every node of this "
                     "job; pass --rdzv-id to choose)", scheme, run_id, source)
-    try:
-        validate_run_id(run_id)
-    except InvalidURLError as exc:
-        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
-    endpoint = (params.endpoint or "").strip()
-    hosts: tuple[tuple[str, int | None], ...] = ()
-    username = password = None
-    path = ""
-    if scheme == "file":
-        if not endpoint.startswith("/"):
-            raise InvalidURLError("rdzv_endpoint", endpoint, "rdzv-file needs an absolute directory path")
-        path = parse_path(endpoint)
-    else:
-        if not endpoint and scheme != "memory":
-            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} needs HOST:PORT")
-        netloc, _, rest = (endpoint or "torchrun").partition("/")
-        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
-            raise InvalidURLError("rdzv_endpoint", endpoint, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
-        hosts, username, password = parse_netloc(netloc)
+    url = endpoint_url(scheme, params.endpoint or "", run_id)
     query: dict[str, Any] = {"min_nodes": params.min_nodes, "max_nodes": params.max_nodes}
     config = dict(params.config)
     if "join_timeout" in config:  # torchrun always adds a legacy "timeout" (900); join_timeout is explicit
@@ -171,8 +152,80 @@ def rendezvous_url(scheme: str, params: "RendezvousParameters") -> RendezvousURL
         if key in IGNORED_TORCH_KEYS or value is None:
             continue
         query[key] = value
-    _, url = parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))
     return url.with_params(query)
+
+
+def checked_run_id(run_id: str) -> str:
+    """``run_id`` if it is a run id (:func:`~rdzv_core.url.validate_run_id`: one key segment); the rule of
+    ``--rdzv-id`` for torchrun's handlers and ``rdzv-run`` alike.
+
+    Raises:
+        InvalidURLError: on ``rdzv_id``, with the reason.
+    """
+    try:
+        return validate_run_id(run_id)
+    except InvalidURLError as exc:
+        raise InvalidURLError("rdzv_id", run_id, exc.reason) from None
+
+
+def _spec(scheme: str) -> BackendSpec:
+    """The installed backend of ``scheme`` (:class:`~rdzv_core.plugins.BackendSpec`).
+
+    Raises:
+        UnknownBackendError: none is installed.
+    """
+    return get_registry().lookup(scheme).spec
+
+
+def endpoint_url(backend: str, endpoint: str, run_id: str, *, credentials: bool = True) -> RendezvousURL:
+    """The URL of torchrun's ``--rdzv-backend``/``--rdzv-endpoint``/``--rdzv-id``, built (never parsed from
+    text, so none of them can add a query key or a path segment) and checked by the backend; no query keys.
+
+    ``backend``: a scheme, or torchrun's handler name for it (``rdzv-redis``). ``endpoint``:
+    ``[USER[:PASSWORD]@]HOST[:PORT][,HOST[:PORT]...]`` (a trailing ``/`` is ignored) -- for a backend that
+    reads a directory (:attr:`BackendSpec.uses_path <rdzv_core.plugins.BackendSpec.uses_path>`: ``file``)
+    an absolute directory, taken literally; when empty, the backend's
+    :attr:`~rdzv_core.plugins.BackendSpec.default_endpoint` (``memory``: ``torchrun``), if it has one.
+    ``run_id``: :func:`checked_run_id`. The torchrun handlers (:func:`rendezvous_url`) and ``rdzv-run``
+    (``rdzv_agent.launch.target``) both build their URL here.
+
+    Args:
+        credentials: whether ``USER:PASSWORD@`` may be given (``rdzv-run`` takes them only in a URL).
+
+    Raises:
+        InvalidURLError: on ``rdzv_backend`` (not a scheme name), ``rdzv_id`` (checked first after it),
+            ``rdzv_endpoint`` (missing, control characters, a path where the scheme takes none, credentials where
+            refused; the value shown without its password), or what the host list, directory or the
+            backend refuses (``host``, ``port``, ``path``, ...).
+        UnknownBackendError: no installed backend has that scheme.
+    """
+    if not _SCHEME_NAME.fullmatch(backend):
+        raise InvalidURLError("rdzv_backend", backend, "not a backend name (lower-case letters, digits, '+', '.', '-')")
+    scheme = backend.removeprefix(HANDLER_PREFIX)
+    spec = _spec(scheme)
+    checked_run_id(run_id)
+    endpoint = endpoint.strip()
+    shown = redact_text(endpoint)
+    if any(ord(c) < 32 or ord(c) == 127 for c in endpoint):
+        raise InvalidURLError("rdzv_endpoint", shown, "contains control characters")
+    hosts: tuple[tuple[str, int | None], ...] = ()
+    username = password = None
+    path = ""
+    if spec.uses_path:
+        if not endpoint.startswith("/"):
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} needs an absolute directory path")
+        path = parse_path(endpoint)
+    else:
+        endpoint = endpoint or spec.default_endpoint or ""
+        if not endpoint:
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} needs HOST:PORT")
+        netloc, _, rest = endpoint.partition("/")
+        if rest.strip("/"):  # a trailing "/" is harmless; a path is not what this endpoint names
+            raise InvalidURLError("rdzv_endpoint", shown, f"rdzv-{scheme} takes HOST:PORT[,HOST:PORT...], no path")
+        if not credentials and "@" in netloc:
+            raise InvalidURLError("rdzv_endpoint", shown, "takes no credentials: give them in a URL")
+        hosts, username, password = parse_netloc(netloc)
+    return parse_backend_url(RendezvousURL(scheme, hosts, path, run_id, {}, username, password))[1]
 
 
 def handler_url(scheme: str, params: "RendezvousParameters") -> str:
@@ -180,7 +233,13 @@ def handler_url(scheme: str, params: "RendezvousParameters") -> str:
     return rendezvous_url(scheme, params).redacted()
 
 
-def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
+def handler_creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "RendezvousHandler"]]:
+    """The object a ``torchrun.handlers`` entry point names for ``scheme``'s backend: a zero-argument callable
+    returning torch's creator ``(RendezvousParameters) -> RendezvousHandler`` (an :class:`RdzvHandler` on
+    :func:`rendezvous_url`'s URL). The built-ins' are below (``rdzv-redis = "rdzv_core.torch_api.torchrun:redis"``); a
+    plugin registers its own the same way (``rdzv-postgresql = "rdzv_postgres:torchrun_handler"``).
+    """
+
     def get_creator() -> Callable[["RendezvousParameters"], "RendezvousHandler"]:
         def create(params: "RendezvousParameters") -> "RendezvousHandler":
             from .handler import RdzvHandler
@@ -195,9 +254,9 @@ def _creator(scheme: str) -> Callable[[], Callable[["RendezvousParameters"], "Re
     return get_creator
 
 
-etcd = _creator("etcd")
-etcd_v3 = _creator("etcd-v3")
-redis = _creator("redis")
-redis_sentinel = _creator("redis+sentinel")
-file = _creator("file")
-memory = _creator("memory")
+etcd = handler_creator("etcd")
+etcd_v3 = handler_creator("etcd-v3")
+redis = handler_creator("redis")
+redis_sentinel = handler_creator("redis+sentinel")
+file = handler_creator("file")
+memory = handler_creator("memory")

@@ -35,12 +35,13 @@ from typing import TYPE_CHECKING, Any
 from rdzv_core.errors import InvalidURLError, UnknownBackendError
 from rdzv_core.kv import Capabilities
 from rdzv_core.plugins import BackendSpec, hookimpl
+from rdzv_core.torch_api.torchrun import handler_creator
 from rdzv_core.url import RendezvousURL, to_int, to_str
 
 if TYPE_CHECKING:
     from .backend import PostgresBackend
 
-__all__ = ["plugin", "open_postgres", "CAPABILITIES", "DEFAULT_PORT", "QUERY_KEYS"]
+__all__ = ["plugin", "torchrun_handler", "open_postgres", "CAPABILITIES", "DEFAULT_PORT", "QUERY_KEYS"]
 
 DEFAULT_PORT = 5432
 SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
@@ -125,5 +126,10 @@ class plugin:  # noqa: N801 - entry-point object, named like a module attribute
                 query_keys=QUERY_KEYS,
                 requires_host=True,
                 description="one PostgreSQL server (row-lock transactions, LISTEN/NOTIFY, server-clock TTLs)",
+                server_endpoints="one",
             )
         ]
+
+
+#: Plain torchrun's ``--rdzv-backend rdzv-postgresql`` (the ``torchrun.handlers`` entry point in pyproject.toml).
+torchrun_handler = handler_creator("postgresql")
