@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 import pytest
 
-from rdzv_core import KVBackend, RendezvousParams, roundwatch
+from rdzv_core import KVBackend, RendezvousParams
+from rdzv_core.rendezvous import roundwatch
 from rdzv_core.rendezvous.record import RunKeys
 
 from .test_rendezvous import Agent, Hooked, _until_true
