@@ -12,8 +12,8 @@ T = TypeVar("T")
 EVERY = 0.02
 
 
-def eventually(condition: Callable[[], T], timeout: float, what: str, *, every: float = EVERY,
-               detail: Callable[[], str] | None = None) -> T:
+def eventually(condition: Callable[[], T], timeout: float, what: str, detail: Callable[[], str] | None = None,
+               *, every: float = EVERY) -> T:
     """Check ``condition()`` every ``every`` s until it returns something truthy, and return that.
 
     After ``timeout`` s (the condition is checked once more at the deadline) fail with an ``AssertionError``

@@ -18,7 +18,8 @@ import uuid
 import pytest
 
 from tests.support.agent_workers.harness import (
-    TRAIN_DIGITS, Launcher, accuracies, ints_after, kill_run, pid_alive, wait_until)
+    TRAIN_DIGITS, Launcher, accuracies, ints_after, kill_run, pid_alive)
+from tests.support.waiting import eventually
 from rdzv_core import create_handler
 
 pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario]  # over file:// and redis:// (tests/conftest.py)
@@ -85,13 +86,13 @@ def cluster(rdzv_base_url, rdzv_url, tmp_path):
 
 def test_sigkill_one_of_three_nodes_the_others_resume_at_world_size_2(cluster):
     nodes = [cluster.node(f"node{i}", "2:3", epochs=14) for i in range(3)]
-    wait_until(lambda: cluster.trained(3, 2), START, "training at world size 3", cluster.tails)
+    eventually(lambda: cluster.trained(3, 2), START, "training at world size 3", cluster.tails)
 
     rank0 = cluster.rank0_node(3)
     victim = next(n for n in nodes if n is not rank0)
     doomed = victim.descendants()
     victim.kill_all()  # SIGKILL the launcher and its workers: a node lost without warning
-    wait_until(lambda: not any(pid_alive(p) for p in doomed), 10, "the victim's processes to die")
+    eventually(lambda: not any(pid_alive(p) for p in doomed), 10, "the victim's processes to die")
 
     survivors = [n for n in nodes if n is not victim]
     for n in survivors:
@@ -106,7 +107,7 @@ def test_a_late_third_node_joins_and_the_group_grows_to_three(cluster, tmp_path)
     gate = str(tmp_path / "third-may-join")
     first = [cluster.node(f"node{i}", "2:3", epochs=16) for i in range(2)]
     third = cluster.node("late", "2:3", epochs=16, gate=gate)  # imports now, joins on cue
-    wait_until(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
+    eventually(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
     assert 3 not in [w for n in first for w in ints_after("WORLD_SIZE_SEEN", n.stdout())]
     open(gate, "w").close()
 
@@ -120,14 +121,14 @@ def test_a_late_third_node_joins_and_the_group_grows_to_three(cluster, tmp_path)
 
 def test_sigterm_to_one_node_does_not_close_the_run(cluster):
     nodes = [cluster.node(f"node{i}", "1:2", epochs=12) for i in range(2)]
-    wait_until(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
+    eventually(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
 
     leaving = cluster.rank0_node(2)  # the node hosting rank 0 (and the workers' TCPStore) leaves
     stayer = next(n for n in nodes if n is not leaving)
     workers = leaving.descendants()
     os.kill(leaving.pid, signal.SIGTERM)
     assert leaving.wait(60) == 128 + signal.SIGTERM, cluster.tails()
-    wait_until(lambda: not any(pid_alive(p) for p in workers), 10, "the leaving node's workers to stop")
+    eventually(lambda: not any(pid_alive(p) for p in workers), 10, "the leaving node's workers to stop")
     handler = create_handler(cluster.url)
     try:
         assert not handler.is_closed()  # leaving is not closing
@@ -149,7 +150,7 @@ def test_a_node_with_other_nnodes_is_refused_with_exit_2_and_the_others_train_on
     gate = str(tmp_path / "mismatched-may-join")
     pair = [cluster.node(f"node{i}", "2:3", epochs=16) for i in range(2)]
     odd = cluster.node("odd", "2:2", epochs=16, gate=gate)  # imports now, starts on cue
-    wait_until(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
+    eventually(lambda: cluster.trained(2, 1), START, "training at world size 2", cluster.tails)
     opened = time.monotonic()
     open(gate, "w").close()
     assert odd.wait(60) == 2, cluster.tails()

@@ -17,7 +17,9 @@ import uuid
 import psutil
 import pytest
 
-from tests.support.agent_workers.harness import HERE, WORKER, pid_alive, wait_until
+from tests.support.agent_workers.harness import HERE, WORKER, pid_alive
+
+from tests.support.waiting import eventually
 from tests.support.launch_runs import new_run, records, run_is_closed
 from rdzv_agent.launch import args as launch_args
 from rdzv_agent.launch import config as launch_config
@@ -85,7 +87,7 @@ def test_the_url_password_reaches_no_worker_log_or_output(procs, tmp_path, rdzv_
     assert via_env.wait(120) == 0, via_env.tail()
     gate = str(tmp_path / "gate")
     via_argv = procs.start(["--rdzv", url.replace(run_id, run_id + "b"), *args, "--wait-for", gate], "argv")
-    wait_until(lambda: len(records(out)) == 4, 120, "the second launcher's workers", via_argv.tail)
+    eventually(lambda: len(records(out)) == 4, 120, "the second launcher's workers", via_argv.tail)
     cmdline = " ".join(psutil.Process(via_argv.pid).cmdline())
     assert secret not in cmdline and "--rdzv" not in cmdline  # the launcher took it off its command line
     open(gate, "w").close()
@@ -115,10 +117,10 @@ def test_signal_stops_workers_and_leaves_the_run_open(node_url, procs, tmp_path,
          str(tmp_path / "never")],
         "node",
     )
-    rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
+    rec = eventually(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     os.kill(launcher.pid, sig)
     assert launcher.wait(60) == 128 + sig, launcher.tail()
-    wait_until(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 30,
+    eventually(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 30,
                "the worker and its child to be gone",
                lambda: f"worker alive={pid_alive(rec['pid'])} child alive={pid_alive(rec['child_pid'])}\n"
                        + launcher.tail())
@@ -134,13 +136,13 @@ def test_workers_die_when_the_launcher_is_killed_with_sigkill(procs, tmp_path):
     out = str(tmp_path / "out")
     launcher = procs.start(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", WORKER,
                             "--out", out, "--ignore-sigterm", "--wait-for", str(tmp_path / "never")], "node")
-    recs = wait_until(lambda: len(records(out)) == 2 and records(out), 120, "both workers to start", launcher.tail)
+    recs = eventually(lambda: len(records(out)) == 2 and records(out), 120, "both workers to start", launcher.tail)
     pids = [r["pid"] for r in recs]
     assert all(pid_alive(p) for p in pids)
     assert set(pids) <= set(launcher.descendants())  # remembered: teardown kills them if this test fails
     os.kill(launcher.pid, signal.SIGKILL)
     assert launcher.wait(30) == -signal.SIGKILL
-    wait_until(lambda: not any(pid_alive(p) for p in pids), 30, "the workers to die with their launcher",
+    eventually(lambda: not any(pid_alive(p) for p in pids), 30, "the workers to die with their launcher",
                lambda: f"alive: {[p for p in pids if pid_alive(p)]}")
 
 
@@ -439,6 +441,6 @@ def test_a_signal_whose_exception_was_lost_still_stops_the_launcher(procs, tmp_p
     launcher = procs.start(["--standalone", "--monitor-interval", "0.1", WORKER, "--out", out, "--wait-for",
                             str(tmp_path / "never")], "node", module="swallowing_launcher",
                            env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
-    rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
+    rec = eventually(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     assert launcher.wait(60) == 128 + signal.SIGTERM, launcher.tail()
-    wait_until(lambda: not pid_alive(rec["pid"]), 30, "the worker to be gone", launcher.tail)
+    eventually(lambda: not pid_alive(rec["pid"]), 30, "the worker to be gone", launcher.tail)

@@ -16,7 +16,9 @@ import uuid
 
 import pytest
 
-from tests.support.agent_workers.harness import WORKER, pid_alive, wait_until
+from tests.support.agent_workers.harness import WORKER, pid_alive
+
+from tests.support.waiting import eventually
 from rdzv_agent import LocalElasticAgent, Std, WorkerFailure, WorkerGroupFailureException, WorkerSpec
 from rdzv_agent.master_address import choose_port
 from rdzv_core import create_handler
@@ -173,7 +175,7 @@ def test_stop_kills_the_process_tree_and_sigterm_ignorers(handler, tmp_path):
     recs = records(out)
     assert len(recs) == 2
     pids = [r["pid"] for r in recs] + [r["child_pid"] for r in recs]
-    wait_until(lambda: not any(pid_alive(p) for p in pids), 10, "workers and their children to be gone")
+    eventually(lambda: not any(pid_alive(p) for p in pids), 10, "workers and their children to be gone")
     codes = agent.worker_exit_codes()
     assert codes[1] == (1, 1, False)
     assert codes[0] == (0, -signal.SIGKILL, True)  # ignored SIGTERM: killed after the grace period
@@ -250,7 +252,7 @@ def test_a_round_without_master_endpoint_is_formed_again(tmp_path):
 
     thread = threading.Thread(target=ghost_node, daemon=True)
     thread.start()
-    wait_until(joined.is_set, 30, "the ghost node to join")
+    eventually(joined.is_set, 30, "the ghost node to join")
 
     handler = create_handler(url, store_timeout=1)
     events: list[AgentEvent] = []
@@ -285,7 +287,7 @@ def test_a_worker_that_fails_while_num_nodes_waiting_is_asked_is_a_failure(handl
             return asked()
         fired.append(first[0]["pid"])
         os.kill(fired[0], signal.SIGKILL)  # not the agent's signal: the worker died of its own
-        wait_until(lambda: not pid_alive(fired[0]), 30, "the worker to die")
+        eventually(lambda: not pid_alive(fired[0]), 30, "the worker to die")
         open(gate, "w").close()  # the next attempt finishes
         return 1  # ... and a node waits to join
 

@@ -13,7 +13,9 @@ import uuid
 
 import pytest
 
-from tests.support.agent_workers.harness import HERE, Launcher, kill_run, wait_until
+from tests.support.agent_workers.harness import HERE, Launcher, kill_run
+
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
 
@@ -202,9 +204,9 @@ def test_membership_restart_keeps_the_earlier_logs(node_url, tmp_path) -> None:
     first = Launcher(["--log-dir", str(tmp_path / "a"), *common], str(tmp_path), "a")
     second = None
     try:
-        wait_until(lambda: glob.glob(str(tmp_path / "a" / "*_*" / "attempt_0" / "0")), 240, "node a's first workers")
+        eventually(lambda: glob.glob(str(tmp_path / "a" / "*_*" / "attempt_0" / "0")), 240, "node a's first workers")
         second = Launcher(["--log-dir", str(tmp_path / "b"), *common], str(tmp_path), "b")
-        wait_until(lambda: glob.glob(str(tmp_path / "a" / "*_*" / "attempt_0.1")), 240, "node a's restart")
+        eventually(lambda: glob.glob(str(tmp_path / "a" / "*_*" / "attempt_0.1")), 240, "node a's restart")
         open(gate, "w").close()
         assert first.wait(240) == 0, first.tail()
         assert second.wait(240) == 0, second.tail()

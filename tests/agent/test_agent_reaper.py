@@ -17,7 +17,9 @@ import time
 import psutil
 import pytest
 
-from tests.support.agent_workers.harness import HERE, Launcher, pid_alive, wait_until
+from tests.support.agent_workers.harness import HERE, Launcher, pid_alive
+
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.agent_scenario
 
@@ -75,7 +77,7 @@ def node(tmp_path):
 
 
 def assert_gone(pids, launcher):
-    wait_until(lambda: not alive(pids), GONE_WITHIN, "the workers' helpers to be gone",
+    eventually(lambda: not alive(pids), GONE_WITHIN, "the workers' helpers to be gone",
                lambda: f"alive: {alive(pids)}\n{launcher.tail()}")
 
 
@@ -93,7 +95,7 @@ def test_helpers_of_failed_attempts_end_with_the_launcher_and_do_not_delay_it(no
 def test_sigterm_ends_the_helpers_of_every_attempt(node, tmp_path):
     launcher = node(["--standalone", "--nproc-per-node", "1", "--max-restarts", "1", "--monitor-interval", "0.1",
                      ORPHAN_WORKER, "--out", node.out, "--fail-attempts", "1", "--wait-for", str(tmp_path / "never")])
-    pids = wait_until(lambda: len(helper_pids(node.out)) == 2 and helper_pids(node.out), 60,
+    pids = eventually(lambda: len(helper_pids(node.out)) == 2 and helper_pids(node.out), 60,
                       "the second attempt's helper", launcher.tail)
     os.kill(launcher.pid, signal.SIGTERM)
     assert launcher.wait(30) == 128 + signal.SIGTERM, launcher.tail()
@@ -104,7 +106,7 @@ def test_kill_9_of_the_launcher_ends_the_helpers(node, tmp_path):
     """The workers die of PR_SET_PDEATHSIG; their helpers, re-parented to init, by the launcher's watchdog."""
     launcher = node(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", ORPHAN_WORKER,
                      "--out", node.out, "--fail-attempts", "0", "--wait-for", str(tmp_path / "never")])
-    pids = wait_until(lambda: len(helper_pids(node.out)) == 2 and helper_pids(node.out), 60,
+    pids = eventually(lambda: len(helper_pids(node.out)) == 2 and helper_pids(node.out), 60,
                       "both workers' helpers", launcher.tail)
     os.kill(launcher.pid, signal.SIGKILL)
     assert launcher.wait(30) == -signal.SIGKILL

@@ -20,7 +20,9 @@ import uuid
 
 import pytest
 
-from tests.support.agent_workers.harness import Launcher, wait_until
+from tests.support.agent_workers.harness import Launcher
+
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("torch")
@@ -98,8 +100,8 @@ def test_200_while_training_with_state_and_gone_after_exit(launch, tmp_path) -> 
     (tmp_path / "w.py").write_text(WORKER)
     node = launch(["--standalone", "--nproc-per-node", "1", "--monitor-interval", "0.2",
                    str(tmp_path / "w.py"), str(tmp_path)], {PORT_ENV: str(port), TIMEOUT_ENV: "5"})
-    wait_until(lambda: (tmp_path / "ready_0_0").exists(), 120, "the worker", node.tail)
-    body = wait_until(answered(port, 200, state="HEALTHY", step="monitor"), 30, "200 from the health check",
+    eventually(lambda: (tmp_path / "ready_0_0").exists(), 120, "the worker", node.tail)
+    body = eventually(answered(port, 200, state="HEALTHY", step="monitor"), 30, "200 from the health check",
                       node.tail)
     assert body["status"] == "ok" and body["group_rank"] == 0 and body["restart_count"] == 0
     assert body["rendezvous_count"] == 1 and body["round"] >= 1 and body["timeout"] == 5.0
@@ -121,18 +123,18 @@ def test_503_while_a_stop_hangs_then_200_after_the_restart(launch, tmp_path) -> 
     node = launch(["--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.2", "--max-restarts", "1",
                    "--shutdown-timeout", "15", str(tmp_path / "w.py"), str(tmp_path)],
                   {PORT_ENV: str(port), TIMEOUT_ENV: "1.5", "IGNORE_TERM": "0"})
-    wait_until(lambda: (tmp_path / "ready_0_0").exists() and (tmp_path / "ready_0_1").exists(), 120,
+    eventually(lambda: (tmp_path / "ready_0_0").exists() and (tmp_path / "ready_0_1").exists(), 120,
                "the workers", node.tail)
-    wait_until(answered(port, 200, state="HEALTHY"), 30, "200 while training", node.tail)
+    eventually(answered(port, 200, state="HEALTHY"), 30, "200 while training", node.tail)
     (tmp_path / "fail").touch()
     failed_at = time.monotonic()
-    body = wait_until(answered(port, 503), 14, "503 while the stop hangs", node.tail)
+    body = eventually(answered(port, 503), 14, "503 while the stop hangs", node.tail)
     assert body["status"] == "stalled" and body["step"] == "restarting" and body["seconds_since_progress"] > 1.5
     assert time.monotonic() - failed_at < 15  # still inside the hung stop
     assert not (tmp_path / "ready_1_0").exists()
-    wait_until(lambda: (tmp_path / "ready_1_0").exists() and (tmp_path / "ready_1_1").exists(), 120,
+    eventually(lambda: (tmp_path / "ready_1_0").exists() and (tmp_path / "ready_1_1").exists(), 120,
                "the restarted workers", node.tail)
-    body = wait_until(answered(port, 200, restart_count=1, state="HEALTHY"), 30, "200 after the restart", node.tail)
+    body = eventually(answered(port, 200, restart_count=1, state="HEALTHY"), 30, "200 after the restart", node.tail)
     assert body["rendezvous_count"] == 2
     (tmp_path / "go_1").touch()
     assert node.wait(120) == 0, node.tail()
@@ -149,7 +151,7 @@ def test_503_while_the_rendezvous_backend_does_not_answer(launch, tmp_path) -> N
         (tmp_path / "w.py").write_text(WORKER)
         node = launch(["--rdzv", url, "--nnodes", "1", "--nproc-per-node", "1", str(tmp_path / "w.py"),
                        str(tmp_path)], {PORT_ENV: str(port), TIMEOUT_ENV: "1.5"})
-        body = wait_until(answered(port, 503), 90, "503 while the backend is silent", node.tail)
+        body = eventually(answered(port, 503), 90, "503 while the backend is silent", node.tail)
         assert body["status"] == "stalled" and body["state"] == "INIT" and body["rendezvous_count"] == 0
         assert node.proc.poll() is None  # the launcher is still waiting on the backend
         assert not (tmp_path / "ready_0_0").exists()

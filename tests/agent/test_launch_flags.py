@@ -18,7 +18,9 @@ import textwrap
 import pytest
 import torch
 
-from tests.support.agent_workers.harness import WORKER, pid_alive, wait_until
+from tests.support.agent_workers.harness import WORKER, pid_alive
+
+from tests.support.waiting import eventually
 from rdzv_agent.launch.launcher import main
 from tests.support.launch_runs import new_run, records, run_is_closed
 
@@ -92,11 +94,11 @@ def test_a_handled_signal_stops_the_workers_and_leaves_the_run_open(argv, sig, p
     out = str(tmp_path / "out")
     launcher = procs.start(["--rdzv", url, "--monitor-interval", "0.1", *argv, WORKER, "--out", out, "--child",
                             "--wait-for", str(tmp_path / "never")], "node")
-    rec = wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
+    rec = eventually(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     assert rec["env"]["TORCHELASTIC_SIGNALS_TO_HANDLE"] == (argv[1] if argv else "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     os.kill(launcher.pid, sig)
     assert launcher.wait(60) == 128 + sig, launcher.tail()
-    wait_until(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 30,
+    eventually(lambda: not pid_alive(rec["pid"]) and not pid_alive(rec["child_pid"]), 30,
                "the worker and its child to be gone", launcher.tail)
     assert not run_is_closed(url)  # release(), not shutdown(): as torchrun after a signal
 
@@ -108,7 +110,7 @@ def test_a_signal_left_out_of_the_list_is_not_handled(procs, tmp_path):  # noqa:
     out = str(tmp_path / "out")
     launcher = procs.start(["--rdzv", url, "--monitor-interval", "0.1", "--signals-to-handle", "SIGTERM", WORKER,
                             "--out", out, "--wait-for", str(tmp_path / "never")], "node")
-    wait_until(lambda: records(out), 120, "the worker to start", launcher.tail)
+    eventually(lambda: records(out), 120, "the worker to start", launcher.tail)
     os.kill(launcher.pid, signal.SIGUSR2)
     assert launcher.wait(60) == -signal.SIGUSR2, launcher.tail()
 

@@ -24,11 +24,12 @@ import re
 import textwrap
 import time
 import urllib.request
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from tests.support.agent_workers.harness import Launcher
+from tests.support.waiting import eventually
 from conformance_tests.servers import free_port
 from rdzv_admin import cli as admin_cli
 from rdzv_core.rendezvous.progress_keys import NodeProgress
@@ -86,17 +87,6 @@ def status(url: str, *options: str) -> tuple[int, Any]:
         code = admin_cli.main(["status", url, *options])
     text = out.getvalue()
     return code, json.loads(text) if "--json" in options and "--watch" not in options else text
-
-
-def until(what: str, check: Callable[[], Any], timeout: float, every: float = 0.2) -> Any:
-    """Poll ``check`` until it returns something truthy; fail naming ``what`` after ``timeout`` seconds."""
-    deadline, last = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(every)
-    raise AssertionError(f"{what}: not within {timeout} s (last: {last!r})")
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -158,7 +148,7 @@ def test_straggler_then_hang_reported_dumped_restarted_and_scraped(job: Job) -> 
 
 
 def a_slow_node_is_flagged_as_a_straggler_and_the_view_is_worst_first(job: Job) -> None:
-    until("every node started its first worker", lambda: all(job.starts(r) for r in ROLES), 120)
+    eventually(lambda: all(job.starts(r) for r in ROLES), 120, "every node started its first worker")
     slow = job.starts("slow")[0]["group_rank"]
     options = ("--json", "--hang-timeout", str(STATUS_HANG_TIMEOUT), "--straggler-steps", "20",
                "--straggler-seconds", "1000")
@@ -168,7 +158,7 @@ def a_slow_node_is_flagged_as_a_straggler_and_the_view_is_worst_first(job: Job) 
         summary = state.get("progress", {}).get("summary", {})
         return (code, state) if summary.get("reporting") == 3 and summary.get("stragglers") == [slow] else None
 
-    code, state = until("the slow node flagged as a straggler", straggling, 60)
+    code, state = eventually(straggling, 60, "the slow node flagged as a straggler")
     assert code == 0 and state["verdict"] == "healthy"  # a straggler is not a failure
     rows = state["progress"]["ranks"]
     assert rows[0]["rank"] == slow and rows[0]["straggler"] and not rows[0]["hung"]  # worst first
@@ -189,11 +179,11 @@ def a_hung_worker_is_reported_dumped_and_restarted(job: Job) -> None:
         code, state = status(job.url, "--json", "--hang-timeout", str(STATUS_HANG_TIMEOUT))
         return (code, state) if state.get("progress", {}).get("summary", {}).get("hung") == [slow] else None
 
-    code, state = until("rdzv status reporting the slow node hung", hung, 30, 0.1)
+    code, state = eventually(hung, 30, "rdzv status reporting the slow node hung", every=0.1)
     assert code == 1 and state["verdict"] == "degraded"
     assert state["progress"]["ranks"][0]["rank"] == slow and state["progress"]["ranks"][0]["hung"]
     # its agent (--hang-timeout 5) dumps the stack and spends a restart; the other two re-form with it
-    until("the slow node's second worker", lambda: len(job.starts("slow")) == 2, 90)
+    eventually(lambda: len(job.starts("slow")) == 2, 90, "the slow node's second worker")
     assert job.starts("slow")[1]["rc"] == 1  # TORCHELASTIC_RESTART_COUNT: a restart was spent
     dumps = glob.glob(os.path.join(job.out, "logs", "slow", "*", "attempt_0", "0", "stacks.log"))
     assert len(dumps) == 1, glob.glob(os.path.join(job.out, "logs", "slow", "**"), recursive=True)
@@ -203,19 +193,20 @@ def a_hung_worker_is_reported_dumped_and_restarted(job: Job) -> None:
     # or py-spy's ("stuck_in_allreduce (w.py:22)") format, whichever the agent found
     assert re.search(r"w\.py.*\bstuck_in_allreduce\b|\bstuck_in_allreduce \(w\.py:\d+\)", dump), dump
     for role in ("fast-a", "fast-b"):  # membership restarts: none spent
-        until(f"{role}'s second worker", lambda role=role: len(job.starts(role)) == 2, 90)
+        eventually(lambda role=role: len(job.starts(role)) == 2, 90, f"{role}'s second worker")
         assert job.starts(role)[1]["rc"] == 0
         assert not glob.glob(os.path.join(job.out, "logs", role, "*", "*", "*", "stacks.log"))
 
 
 def metrics_endpoint_shows_rounds_restarts_and_last_steps(job: Job) -> None:
-    until("every node in the second round", lambda: all(len(job.starts(r)) == 2 for r in ROLES), 90)
+    eventually(lambda: all(len(job.starts(r)) == 2 for r in ROLES), 90, "every node in the second round")
     expected = {"slow": {"hang": 1, "failure": 0, "membership": 0},
                 "fast-a": {"hang": 0, "failure": 0, "membership": 1}}
     for role, causes in expected.items():
         rank = job.starts(role)[1]["rank"]
         step = f'rdzv_worker_last_step{{global_rank="{rank}",local_rank="0"}}'
-        values = until(f"{role}'s metrics with step 7", lambda: (v := scrape(job.ports[role])).get(step) == 7 and v, 30)
+        values = eventually(lambda: (v := scrape(job.ports[role])).get(step) == 7 and v, 30,
+                            f"{role}'s metrics with step 7")
         assert values["rdzv_rounds_total"] == 2
         assert values["rdzv_rendezvous_duration_seconds_count"] == 2
         assert values["rdzv_group_world_size"] == 3 and values["rdzv_world_size"] == 3
@@ -231,7 +222,7 @@ def metrics_endpoint_shows_rounds_restarts_and_last_steps(job: Job) -> None:
         code, state = status(job.url, "--json", "--hang-timeout", str(STATUS_HANG_TIMEOUT))
         return (code, state) if [r["step"] for r in state.get("progress", {}).get("ranks", [])] == [7, 7, 7] else None
 
-    code, state = until("every node at step 7 in rdzv status", all_at_seven, 30)
+    code, state = eventually(all_at_seven, 30, "every node at step 7 in rdzv status")
     assert code == 0 and state["verdict"] == "healthy" and state["progress"]["summary"]["hung"] == []
     job.touch("finish")
     for node in job.nodes.values():
@@ -356,12 +347,12 @@ def test_stopped_workers_are_restarted_within_the_hang_timeout_not_a_dump_wait_e
         return found
 
     try:
-        first = until("both workers started", lambda: len(starts(0)) == 2 and starts(0), 60)
+        first = eventually(lambda: len(starts(0)) == 2 and starts(0), 60, "both workers started")
         time.sleep(0.5)  # a few steps each
         for pid in first:
             os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
-        second = until("the restarted workers", lambda: len(starts(1)) == 2 and starts(1), 60, 0.05)
+        second = eventually(lambda: len(starts(1)) == 2 and starts(1), 60, "the restarted workers", every=0.05)
         # hang timeout + the new workers' start (torch's import: 9.6 s seen on a loaded 2-core CI); the 10 s wait for
         # each stopped worker's dump this guards against gave 26.5 s
         assert min(second.values()) - stopped < 2 + 10, f"restarted {min(second.values()) - stopped:.1f} s after"

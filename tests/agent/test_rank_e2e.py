@@ -16,7 +16,9 @@ from typing import Any
 
 import pytest
 
-from tests.support.agent_workers.harness import HERE, Launcher, kill_run, wait_until
+from tests.support.agent_workers.harness import HERE, Launcher, kill_run
+
+from tests.support.waiting import eventually
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 pytestmark = [pytest.mark.slow, pytest.mark.ranks]
@@ -130,7 +132,7 @@ def test_ranks_stay_put_across_rounds_a_kill_and_a_join(make_job, launcher) -> N
     torchrun = launcher == "torchrun"
     for name in ("A", "B", "C"):
         job.node(name, "2:3", fails=3, torchrun=torchrun)
-    wait_until(lambda: len(job.failures()) == 3 and len(job.ranks_since(job.failures()[-1], 3)) == 3, START,
+    eventually(lambda: len(job.failures()) == 3 and len(job.ranks_since(job.failures()[-1], 3)) == 3, START,
                "four rounds of three nodes", job.tails)
     by_node: dict[str, set[int]] = {}
     for s in job.starts():
@@ -148,12 +150,12 @@ def test_ranks_stay_put_across_rounds_a_kill_and_a_join(make_job, launcher) -> N
     name_of = {rank: node for node, rank in first.items()}
     job.nodes[name_of[1]].kill_all()  # the node of rank 1 is lost
     killed = time.time()
-    survivors = wait_until(lambda: job.complete_round(killed, 2), 60, "the survivors' round of two", job.tails)
+    survivors = eventually(lambda: job.complete_round(killed, 2), 60, "the survivors' round of two", job.tails)
     assert survivors == {name_of[0]: 0, name_of[2]: 1}, survivors
 
     job.node("D", "2:3")
     joined = time.time()
-    grown = wait_until(lambda: job.complete_round(joined, 3), 60, "a round of three with D", job.tails)
+    grown = eventually(lambda: job.complete_round(joined, 3), 60, "a round of three with D", job.tails)
     assert grown == {name_of[0]: 0, name_of[2]: 1, "D": 2}, grown
     _stop(job, [name_of[0], name_of[2], "D"])
 
@@ -171,8 +173,8 @@ def test_topology_ranks_follow_labels_and_natural_host_order(make_job, launcher)
         job.node(name, "3:3", torchrun=torchrun, nproc=nproc, extra=extra,
                  env={"RDZV_NODE_LABELS": labels} if torchrun else None)
         if i < len(nodes) - 1:
-            wait_until(lambda: job.joined() >= i + 1, START, f"{name} to join", job.tails)
-    wait_until(lambda: len(job.starts()) == 4, START, "four workers started", job.tails)
+            eventually(lambda: job.joined() >= i + 1, START, f"{name} to join", job.tails)
+    eventually(lambda: len(job.starts()) == 4, START, "four workers started", job.tails)
     starts = job.starts()
     assert {s["node"]: s["group_rank"] for s in starts} == {"B": 0, "C": 1, "A": 2}, starts
     assert sorted((s["node"], s["local_rank"], s["rank"]) for s in starts) == [

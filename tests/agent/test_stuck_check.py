@@ -18,7 +18,8 @@ import psutil
 import pytest
 
 from tests.support.agent_workers import dstate
-from tests.support.agent_workers.harness import Launcher, wait_until
+from tests.support.agent_workers.harness import Launcher
+from tests.support.waiting import eventually
 from rdzv_agent.supervision.stuck import UninterruptibleCheck, in_uninterruptible_sleep
 
 pytestmark = pytest.mark.skipif(not dstate.supported(), reason="needs Linux x86_64/aarch64 (raw clone)")
@@ -50,7 +51,7 @@ def test_check_flags_a_real_d_state_process_only_after_the_timeout(tmp_path) -> 
     stuck = subprocess.Popen([sys.executable, DSTATE, "30", str(marker)])
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        wait_until(lambda: in_uninterruptible_sleep(stuck.pid), 30, "the D state")
+        eventually(lambda: in_uninterruptible_sleep(stuck.pid), 30, "the D state")
         assert psutil.Process(stuck.pid).status() == "disk-sleep"
         assert in_uninterruptible_sleep(sleeper.pid) is False
         now = [100.0]
@@ -100,13 +101,13 @@ def test_worker_in_d_state_past_the_timeout_fails_the_job_without_restart(tmp_pa
     script = str(tmp_path / "w.py")
     node = launch(tmp_path, module, {ENV: "1", "D_SECONDS": "60"})
     try:
-        wait_until(lambda: (tmp_path / "start_0_0").exists(), 120, "the workers", node.tail)
+        eventually(lambda: (tmp_path / "start_0_0").exists(), 120, "the workers", node.tail)
         began = time.monotonic()
         assert node.wait(30) == (1 if module == "rdzv_agent.launch.launcher" else 0), node.tail()
         assert time.monotonic() - began < 30  # not the 60 s of the D state
         assert not (tmp_path / "start_1_0").exists() and not (tmp_path / "done_0_0").exists()
         if module == "rdzv_agent.launch.launcher":  # the stuck worker and its vfork child were stopped with the job
-            assert wait_until(lambda: not our_processes(script), 10, "the workers gone")
+            assert eventually(lambda: not our_processes(script), 10, "the workers gone")
     finally:
         node.kill_all()
         for proc in our_processes(script):

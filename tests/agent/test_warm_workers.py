@@ -23,7 +23,9 @@ import sys
 import psutil
 import pytest
 
-from tests.support.agent_workers.harness import HERE, Launcher, wait_until
+from tests.support.agent_workers.harness import HERE, Launcher
+
+from tests.support.waiting import eventually
 from rdzv_agent.launch.args import parse_args
 from rdzv_agent.launch.config import build_config
 from rdzv_agent.workers.warm import WarmProcess, boot_argv
@@ -185,16 +187,16 @@ def test_no_warm_process_outlives_the_launcher(tmp_path, launchers, end):
                     warm=True, wait=False)
     launchers.append(launcher)
     if end != "exit":
-        wait_until(lambda: len(_reports(launcher)) == 2, RUN_WITHIN, "the workers' reports", launcher.tail)
+        eventually(lambda: len(_reports(launcher)) == 2, RUN_WITHIN, "the workers' reports", launcher.tail)
         workers = {r["pid"] for r in _reports(launcher).values()}
-        wait_until(lambda: set(_warm_processes(launcher.out)) - workers, RUN_WITHIN, "the next warm generation",
+        eventually(lambda: set(_warm_processes(launcher.out)) - workers, RUN_WITHIN, "the next warm generation",
                    launcher.tail)
         sig = signal.SIGKILL if end == "kill -9" else signal.SIGTERM
         os.kill(launcher.pid, sig)
         assert launcher.wait(60) == (-sig if sig == signal.SIGKILL else 128 + sig), launcher.tail()
     else:
         assert launcher.wait(RUN_WITHIN) == 0, launcher.tail()
-    wait_until(lambda: not _warm_processes(launcher.out), GONE_WITHIN, "no warm process left",
+    eventually(lambda: not _warm_processes(launcher.out), GONE_WITHIN, "no warm process left",
                lambda: f"left: {_warm_processes(launcher.out)}\n{launcher.tail()}")
 
 

@@ -25,7 +25,8 @@ from typing import Any, Iterator
 import pytest
 
 from benchmarks.trainer import read_records
-from tests.support.agent_workers.harness import REPO, Launcher, kill_run, pid_alive, wait_until
+from tests.support.agent_workers.harness import REPO, Launcher, kill_run, pid_alive
+from tests.support.waiting import eventually
 from conformance_tests.etcd_server import EtcdServer
 from conformance_tests.redis_server import RedisServer
 from conformance_tests.servers import ServerProcess
@@ -180,20 +181,20 @@ def assert_no_restarts(job: Job, names: list[str], outage: float, world: int) ->
 def _train_through(job: Job, names: list[str], world: int, outage_start: float, length: float) -> None:
     """Wait (the outage's length) until every node recorded steps ``length`` seconds after ``outage_start``:
     the workers train on while the backend is away."""
-    wait_until(job.training(names, world, after=outage_start + length), length + 30,
+    eventually(job.training(names, world, after=outage_start + length), length + 30,
                f"training on for {length} s into the outage", job.tails)
 
 
 def _train_after(job: Job, names: list[str], world: int, healed: float) -> None:
     """Wait until every node recorded steps :data:`AFTER` seconds after the heal: long enough for a wrong
     destroy (keep-alive judged lost) to have stopped the workers."""
-    wait_until(job.training(names, world, after=healed + AFTER), START, "training on after the outage", job.tails)
+    eventually(job.training(names, world, after=healed + AFTER), START, "training on after the outage", job.tails)
 
 
 def _pausing_redis(job: Job, redis: RedisServer, names: list[str], torchrun: bool) -> None:
     for name in names:
         job.node(name, "2:3", torchrun=torchrun)
-    wait_until(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
+    eventually(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
     record = job.round_record()
     redis.pause()
     paused = time.time()
@@ -228,7 +229,7 @@ def test_redis_restarted_empty_restarts_no_worker(redis_job, redis) -> None:
     job, names = redis_job, ["A", "B"]
     for name in names:
         job.node(name, "2:3")
-    wait_until(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
+    eventually(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
     record = job.round_record()
     redis.kill()
     killed = time.time()
@@ -249,7 +250,7 @@ def test_etcd_v3_killed_and_restarted_with_its_data_restarts_no_worker(etcd_job,
     job, names = etcd_job, ["A", "B"]
     for name in names:
         job.node(name, "2:3")
-    wait_until(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
+    eventually(job.training(names, 2, steps=5), START, "both nodes training at world size 2", job.tails)
     record = job.round_record()
     etcd.kill()
     killed = time.time()
@@ -279,7 +280,7 @@ def test_a_node_killed_during_a_redis_pause_is_let_go_after_it(redis_job, redis,
     job, names = redis_job, ["A", "B", "C"]
     for name in names:
         job.node(name, "2:3", collective=collective)
-    wait_until(job.training(names, 3, steps=5), START, "three nodes training at world size 3", job.tails)
+    eventually(job.training(names, 3, steps=5), START, "three nodes training at world size 3", job.tails)
     victim = next(n for n in reversed(names) if job.records(n)[-1]["group_rank"] != 0)
     survivors = [n for n in names if n != victim]
     redis.pause()
@@ -287,13 +288,13 @@ def test_a_node_killed_during_a_redis_pause_is_let_go_after_it(redis_job, redis,
     try:
         doomed = job.nodes[victim].descendants()
         job.nodes[victim].kill_all()  # the node's host is lost while the backend is away
-        wait_until(lambda: not any(pid_alive(p) for p in doomed), 10, "the victim's processes to die")
+        eventually(lambda: not any(pid_alive(p) for p in doomed), 10, "the victim's processes to die")
         # the outage itself: the rest of ~3 x TTL (the fault's length, not a wait for an outcome)
         time.sleep(max(0.0, paused + 3 * TTL - time.monotonic()))
     finally:
         redis.resume()
     resumed = time.time()
-    wait_until(job.training(survivors, 2, after=resumed), TTL + 60, "the survivors training at world size 2",
+    eventually(job.training(survivors, 2, after=resumed), TTL + 60, "the survivors training at world size 2",
                job.tails)
     first = min((r for n in survivors for r in job.steps(n, 2, after=resumed)), key=lambda r: r["t"])
     recovery, spawned = first["t"] - resumed, first["spawned"] - resumed

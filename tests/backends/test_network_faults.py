@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from tests.support.agent_workers.harness import wait_until
+from tests.support.waiting import eventually
 from conformance_tests.proxy import Mode, TCPProxy
 from conformance_tests.agents import Agent, Hooked, round_of
 from conformance_tests.plugin import backends_opened
@@ -318,14 +318,14 @@ def test_a_node_interrupted_while_waiting_keeps_its_ticket(
         return [i for i, r in enumerate(caplog.records) if r.name == "rdzv_core.rendezvous" and r.levelno == level]
 
     first.start()
-    wait_until(lambda: observer.describe().get("joined") == 1, 30, "the node to join",
+    eventually(lambda: observer.describe().get("joined") == 1, 30, "the node to join",
                lambda: str(observer.describe()))
     proxy.set_mode(Mode.DROP)
-    wait_until(lambda: records(logging.WARNING), 30, "the node to see the backend fail")
+    eventually(lambda: records(logging.WARNING), 30, "the node to see the backend fail")
     failed_at = records(logging.WARNING)[0]
     proxy.set_mode(Mode.PASS)
     # the node's next attempt reads the round and joins (or resumes): an INFO record after the failure
-    wait_until(lambda: any(i > failed_at for i in records(logging.INFO)), 30, "an attempt after the outage")
+    eventually(lambda: any(i > failed_at for i in records(logging.INFO)), 30, "an attempt after the outage")
     state = observer.describe()
     assert (state["status"], state["joined"]) == ("joinable", 1), state
     second = Agent(clients(direct=True), run_id, params).start()
@@ -372,9 +372,9 @@ def test_a_node_interrupted_after_it_confirmed_is_not_counted_twice(
         return observer.kv.tickets(observer.keys.confirmed(state["version"], state.get("id")))
 
     # B's count is held, so a count of 1 is A's (B's keep-alive key, written before its count, is there too)
-    wait_until(lambda: confirmations() == 1, 30, "A to confirm")
+    eventually(lambda: confirmations() == 1, 30, "A to confirm")
     proxy.set_mode(Mode.DROP)
-    wait_until(lambda: any(r.name == "rdzv_core.rendezvous" for r in caplog.records), 30,
+    eventually(lambda: any(r.name == "rdzv_core.rendezvous" for r in caplog.records), 30,
                "A to see the backend fail")
     proxy.set_mode(Mode.PASS)
     first = a.wait(30)

@@ -11,7 +11,9 @@ from typing import Iterator
 
 import pytest
 
-from tests.support.agent_workers.harness import TRAIN_DIGITS, Launcher, accuracies, ints_after, kill_run, wait_until
+from tests.support.agent_workers.harness import TRAIN_DIGITS, Launcher, accuracies, ints_after, kill_run
+
+from tests.support.waiting import eventually
 from conformance_tests.redis_sentinel import MASTER_NAME, SentinelGroup
 
 pytestmark = [pytest.mark.slow]
@@ -51,7 +53,7 @@ def test_the_master_killed_mid_training_the_job_finishes_on_the_promoted_replica
                     if line.startswith("epoch ")), default=0)
 
     try:
-        wait_until(lambda: epochs_done() >= 2, START, "training at world size 2", tails)
+        eventually(lambda: epochs_done() >= 2, START, "training at world size 2", tails)
         old = group.master().address
         group.kill()
         group.wait_for_master(other_than=old, deadline=time.monotonic() + 30)

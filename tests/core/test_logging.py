@@ -6,7 +6,7 @@ import logging
 import threading
 import uuid
 
-from tests.support.agent_workers.harness import wait_until
+from tests.support.waiting import eventually
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 
@@ -72,7 +72,7 @@ def test_a_backend_outage_during_next_round_is_one_warning(rdzv_server_redis, ca
         result: list[object] = []
         thread = threading.Thread(target=lambda: result.append(node.next_round()))
         thread.start()
-        wait_until(lambda: len([r for r in caplog.records if r.name == "rdzv_core.rendezvous"
+        eventually(lambda: len([r for r in caplog.records if r.name == "rdzv_core.rendezvous"
                                 and r.levelno in (logging.WARNING, logging.DEBUG)]) >= 5,
                    30, "five failed attempts (nothing else logs meanwhile)")
         proxy.set_mode(Mode.PASS)

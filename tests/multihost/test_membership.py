@@ -15,7 +15,9 @@ import time
 
 import pytest
 
-from tests.support.agent_workers.harness import kill_run, wait_until
+from tests.support.agent_workers.harness import kill_run
+
+from tests.support.waiting import eventually
 from tests.support.membership_jobs import START, TORCHRUN_BACKEND, TTL, Backend, Job
 
 pytestmark = [pytest.mark.slow, pytest.mark.membership]
@@ -59,12 +61,12 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_replaces_a_dead_member(job
     torchrun = _torchrun_on_redis(job, launcher)
     for name in ("A", "B"):
         job.node(name, "2:2", torchrun=torchrun)
-    wait_until(_training(job, ["A", "B"], 2), START, "A and B training at world size 2", job.tails)
+    eventually(_training(job, ["A", "B"], 2), START, "A and B training at world size 2", job.tails)
     job.node("C", "2:2", torchrun=torchrun)
-    wait_until(lambda: job.state().get("waiting", 0) >= 1, START, "C counted as waiting", job.tails)
+    eventually(lambda: job.state().get("waiting", 0) >= 1, START, "C counted as waiting", job.tails)
     counted = time.time()
     # while C waits: 4 keep-alive TTLs of steps (>= 50 ms each), all by the workers that were already there
-    wait_until(_training(job, ["A", "B"], 2, after=counted, steps=int(4 * TTL / 0.05)), 60,
+    eventually(_training(job, ["A", "B"], 2, after=counted, steps=int(4 * TTL / 0.05)), 60,
                "A and B training on while C waits", job.tails)
     for name in ("A", "B"):
         pids = {r["pid"] for r in job.records(name)}
@@ -73,7 +75,7 @@ def test_a_node_beyond_max_nodes_waits_as_a_spare_and_replaces_a_dead_member(job
 
     job.nodes["A"].kill_all()  # A's host is lost
     killed = time.time()
-    wait_until(_training(job, ["B", "C"], 2, after=killed), 60, "B and the spare C training at world size 2",
+    eventually(_training(job, ["B", "C"], 2, after=killed), 60, "B and the spare C training at world size 2",
                job.tails)
     job.touch("stop-all")
     for name in ("B", "C"):
@@ -90,11 +92,11 @@ def test_a_frozen_node_is_noticed_within_the_keep_alive_ttl(job, launcher) -> No
     torchrun = launcher == "torchrun"
     for name in ("A", "B", "C"):
         job.node(name, "2:3", torchrun=torchrun, pg_timeout=60.0)
-    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
+    eventually(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
     job.nodes["C"].freeze()
     frozen = time.time()
     # TTL + detection + stopping the hung workers + a new round (0.5 s last call) + new workers (torch import)
-    wait_until(_training(job, ["A", "B"], 2, after=frozen), TTL + 25.0, "A and B training at world size 2",
+    eventually(_training(job, ["A", "B"], 2, after=frozen), TTL + 25.0, "A and B training at world size 2",
                job.tails)
     first = min(r["t"] for n in ("A", "B") for r in job.steps_at(n, 2, frozen))
     assert first - frozen < 60.0 - 10.0  # well before the collective timeout would have ended the hang
@@ -113,19 +115,19 @@ def test_a_finished_node_waits_at_the_exit_barrier_and_the_others_re_form_withou
     A and B re-form at world size 2 (C leaves, the run still open); when they finish, the run is closed."""
     for name in ("A", "B", "C"):
         job.node(name, "2:3", collective=False, max_restarts=1)
-    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
+    eventually(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
     job.touch("stop-C")
     c_workers = job.nodes["C"].workers()
-    wait_until(lambda: not any(os.path.exists(f"/proc/{p}") and _running(p) for p in c_workers), 30,
+    eventually(lambda: not any(os.path.exists(f"/proc/{p}") and _running(p) for p in c_workers), 30,
                "C's workers to finish", job.tails)
     steps_b = len(job.records("B"))
-    wait_until(lambda: len(job.records("B")) >= steps_b + int(2 * TTL / 0.05), 60, "B training on", job.tails)
+    eventually(lambda: len(job.records("B")) >= steps_b + int(2 * TTL / 0.05), 60, "B training on", job.tails)
     assert job.nodes["C"].proc.poll() is None, f"C did not wait at the exit barrier\n{job.tails()}"
     assert not job.is_closed(), "C closed the run while A and B still train"
 
     job.touch("fail-A")
     failed = time.time()
-    wait_until(_training(job, ["A", "B"], 2, after=failed), 60, "A and B re-formed at world size 2", job.tails)
+    eventually(_training(job, ["A", "B"], 2, after=failed), 60, "A and B re-formed at world size 2", job.tails)
     assert job.nodes["C"].wait(30) == 0, job.tails()
     assert not job.is_closed(), "C closed the run on leaving the barrier"
     assert {r["restart"] for r in job.steps_at("A", 2, failed)} == {1}  # A spent its restart
@@ -144,16 +146,16 @@ def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, l
     torchrun = _torchrun_on_redis(job, launcher)
     for name in ("A", "B", "C"):
         job.node(name, "2:3", collective=False, torchrun=torchrun)
-    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
+    eventually(_training(job, ["A", "B", "C"], 3), START, "A, B and C at world size 3", job.tails)
     job.touch("stop-C")
     c_workers = job.nodes["C"].workers()
-    wait_until(lambda: not any(_running(p) for p in c_workers), 30, "C's workers to finish", job.tails)
+    eventually(lambda: not any(_running(p) for p in c_workers), 30, "C's workers to finish", job.tails)
     c_rank = job.records("C")[-1]["group_rank"]
-    wait_until(lambda: any(m.get("finished") for m in job.state().get("alive", []) if m.get("rank") == c_rank),
+    eventually(lambda: any(m.get("finished") for m in job.state().get("alive", []) if m.get("rank") == c_rank),
                30, "C marked finished at its barrier", job.tails)
     job.nodes["C"].kill_all()
     killed = time.time()
-    wait_until(_training(job, ["A", "B"], 3, after=killed + 3 * TTL, steps=1), 60, "A and B training on",
+    eventually(_training(job, ["A", "B"], 3, after=killed + 3 * TTL, steps=1), 60, "A and B training on",
                job.tails)
     for name in ("A", "B"):
         pids = {r["pid"] for r in job.records(name)}
@@ -207,15 +209,15 @@ def test_survivors_re_form_without_waiting_out_the_default_last_call(job, launch
     del job.query["last_call_timeout"]  # torch's default: 30 s
     for name in ("A", "B", "C"):
         job.node(name, "2:3", torchrun=torchrun)
-    wait_until(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
+    eventually(_training(job, ["A", "B", "C"], 3), START, "A, B and C training at world size 3", job.tails)
     job.nodes["C"].kill_all()
     killed = time.time()
     # detection (at once: the workers' collective fails) + a round without last call + new workers (torch import)
-    wait_until(_training(job, ["A", "B"], 2, after=killed), 25.0, "A and B training at world size 2 before "
+    eventually(_training(job, ["A", "B"], 2, after=killed), 25.0, "A and B training at world size 2 before "
                "a 30 s last call could end", job.tails)
     job.node("C2", "2:3", torchrun=torchrun)
     back = time.time()
-    wait_until(_training(job, ["A", "B", "C2"], 3, after=back), START, "A, B and the returning C training at "
+    eventually(_training(job, ["A", "B", "C2"], 3, after=back), START, "A, B and the returning C training at "
                "world size 3", job.tails)
     job.touch("stop-all")
     for name in ("A", "B", "C2"):

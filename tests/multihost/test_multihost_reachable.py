@@ -22,7 +22,9 @@ import uuid
 
 import pytest
 
-from tests.support.agent_workers.harness import WORKER, Launcher, kill_run, wait_until
+from tests.support.agent_workers.harness import WORKER, Launcher, kill_run
+
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.multihost
 
@@ -140,7 +142,7 @@ def test_torchrun_on_the_same_hosts_master_addr(site, job, handler):
                            "--rdzv-endpoint", endpoint, "--rdzv-id", job.run_id, "--monitor-interval", "0.2",
                            *worker_argv(job)], module="torch.distributed.run", per_host=per_host, env=env,
                           gloo_ifname=True)
-    wait_until(lambda: len(job.records()) == 3, TORCHRUN_TIMEOUT, "three workers' records", job.tails)
+    eventually(lambda: len(job.records()) == 3, TORCHRUN_TIMEOUT, "three workers' records", job.tails)
     records = job.records()
     published = {r["MASTER_ADDR"] for r in records}
     assert len(published) == 1, records

@@ -116,8 +116,8 @@ def rounds_consistent(records: list[dict[str, Any]]) -> list[str]:
 
 
 def wait_for(predicate: Any, timeout: float, what: str, job: Job) -> tuple[Any, float]:
-    """``wait_until`` that also returns when (``time.time()``) the predicate held."""
-    from tests.support.agent_workers.harness import wait_until
+    """``eventually`` that also returns when (``time.time()``) the predicate held."""
+    from tests.support.waiting import eventually
 
-    value = wait_until(predicate, timeout, what, job.tails)
+    value = eventually(predicate, timeout, what, job.tails)
     return value, time.time()

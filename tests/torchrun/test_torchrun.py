@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 
-from tests.support.agent_workers.harness import wait_until
+from tests.support.waiting import eventually
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
 pytest.importorskip("torch")
@@ -104,7 +104,7 @@ def test_torchrun_stopped_by_sigterm_leaves_the_run_open(tmp_path) -> None:
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=tmp_path,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
     try:
-        wait_until(started.exists, 120, "the worker to start", lambda: f"torchrun alive: {proc.poll() is None}")
+        eventually(started.exists, 120, "the worker to start", lambda: f"torchrun alive: {proc.poll() is None}")
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode != 0, err.decode(errors="replace")[-3000:]
@@ -225,7 +225,7 @@ def test_torchrun_refused_for_its_settings_leaves_the_run_and_its_round_alone(tm
     member = torchrun("1:2")
     procs = [member]
     try:
-        wait_until(started.exists, 120, "the member's worker to start", lambda: f"alive: {member.poll() is None}")
+        eventually(started.exists, 120, "the member's worker to start", lambda: f"alive: {member.poll() is None}")
         refused = torchrun("1:1")
         procs.append(refused)
         _, err = refused.communicate(timeout=120)

@@ -12,8 +12,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import psutil
 
@@ -177,20 +176,6 @@ def kill_run(launchers: Iterable[Launcher], run_ids: Iterable[str]) -> None:
         for proc in procs:
             _kill_group(proc.pid)
         psutil.wait_procs(procs, timeout=10)
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str,
-               on_timeout: Callable[[], str] | None = None) -> object:
-    """Poll ``predicate`` every 50 ms until it returns a truthy value; fail after ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            detail = on_timeout() if on_timeout else ""
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{detail}")
-        time.sleep(0.05)
 
 
 def pid_alive(pid: int) -> bool:
