@@ -1,6 +1,6 @@
 """Side-by-side benchmark of rdzv's backends against PyTorch's own rendezvous.
 
-Not part of the library or of the test suite (``tests/test_benchmark_smoke.py``
+Not part of the library or of the test suite (``tests/project/test_benchmark_smoke.py``
 only runs the smoke mode). Run from the project root::
 
     python -m benchmarks.run            # full run (~15 minutes here), writes docs/benchmarks.{json,png,md}

@@ -1,7 +1,7 @@
 """Deliberately broken backends: the suite's own test fixtures (never registered by this project).
 
 Each is :class:`~rdzv_backends.memory.MemoryBackend` with ONE contract of
-:mod:`rdzv_core.kv` broken, under its own scheme. ``tests/test_conformance_catches_bugs.py``
+:mod:`rdzv_core.kv` broken, under its own scheme. ``tests/project/test_conformance_catches_bugs.py``
 registers :data:`plugin` through a throwaway distribution (an ``rdzv`` entry
 point on ``PYTHONPATH``), runs the relevant conformance tests against each scheme
 in a subprocess, and asserts they fail with a message naming that contract —

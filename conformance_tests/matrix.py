@@ -8,7 +8,7 @@
 The table lists every backend installed in this environment (one row per
 backend, all its schemes in one cell) with the capabilities its
 :class:`~rdzv_core.plugins.BackendSpec` declares. In a file it lives between
-:data:`BEGIN` and :data:`END`; ``tests/test_docs_plugins.py`` keeps it in sync.
+:data:`BEGIN` and :data:`END`; ``tests/project/test_docs_plugins.py`` keeps it in sync.
 """
 
 from __future__ import annotations

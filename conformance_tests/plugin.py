@@ -33,6 +33,9 @@ from rdzv_core import KVBackend, list_backends, open_backend
 from .multihost import rdzv_hosts, rdzv_hosts_module  # noqa: F401  (fixtures)
 from .servers import rdzv_server_etcd, rdzv_server_redis, rdzv_server_sentinel  # noqa: F401  (fixtures)
 
+#: The scenarios' fixtures ``run_id`` and ``agents``, registered with this plugin.
+pytest_plugins = ["conformance_tests.agents"]
+
 DEFAULT_URLS = ("memory://conformance/", "file://{tmp}/")
 _PLACEHOLDER = re.compile(r"\{server:([A-Za-z0-9_]+)\}")
 

@@ -42,9 +42,10 @@ CI_URLS = ("memory://conformance/", "file://{tmp}/", "redis://{server:redis}/", 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.join(os.path.dirname(HERE), "tests")
 #: Fault tests of a source checkout (in :data:`TESTS`), run when present.
-SOURCE_TESTS = ("test_fault_matrix.py", "test_network_faults.py", "test_etcd_cluster.py", "test_clock_offset.py",
-                "test_bad_input.py", "test_bad_input_etcd.py", "test_bad_input_redis.py",
-                "test_multihost_partitions.py", "test_multihost_etcd_cluster.py", "test_multihost_rendezvous.py")
+SOURCE_TESTS = ("backends/test_fault_matrix.py", "backends/test_network_faults.py", "backends/test_etcd_cluster.py",
+                "core/test_clock_offset.py", "backends/test_bad_input.py", "backends/test_bad_input_etcd.py",
+                "backends/test_bad_input_redis.py", "multihost/test_multihost_partitions.py",
+                "multihost/test_multihost_etcd_cluster.py", "multihost/test_multihost_rendezvous.py")
 #: Tests of bad input (URLs, TLS files, run ids, query values) that record ``bad_input`` and ``time_to_error_s``.
 BAD_INPUT_PREFIX = "test_bad_input_"
 #: Backends the network, cluster and clock tests parametrize themselves (whatever ``--rdzv-url`` says).
@@ -269,7 +270,7 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
         out += _table(["operation"] + servers, rows) + [""]
     matrix = [r for r in results if r.test == "test_survivors_reform_after_an_agent_dies"]
     if matrix:
-        out += ["### Agent kill matrix (`tests/test_fault_matrix.py`)", "",
+        out += ["### Agent kill matrix (`tests/backends/test_fault_matrix.py`)", "",
                 "Seconds from V stopping to the survivors' new round, SIGKILL / SIGTERM run, and the bound:", ""]
         seen = set(r.case for r in matrix)
         phases = [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
@@ -285,12 +286,12 @@ def render(results: list[Result], backends: Sequence[str], command: str) -> str:
                 row.append(_cell(r, text) if r else "—")
             rows.append(row)
         out += _table(["V stopped at"] + list(backends), rows) + [""]
-    out += _group(results, "Network faults (`tests/test_network_faults.py`)", NETWORK_FAULTS)
+    out += _group(results, "Network faults (`tests/backends/test_network_faults.py`)", NETWORK_FAULTS)
     out += _network_ops(results)
-    out += _group(results, "etcd leader failure, three-member cluster (`tests/test_etcd_cluster.py`)",
+    out += _group(results, "etcd leader failure, three-member cluster (`tests/backends/test_etcd_cluster.py`)",
                   CLUSTER_FAULTS)
-    out += _group(results, "Clock offset (`tests/test_clock_offset.py`)", CLOCK_FAULTS)
-    out += _group(results, "Partitions between hosts (`tests/test_multihost_*.py`)", PARTITIONS)
+    out += _group(results, "Clock offset (`tests/core/test_clock_offset.py`)", CLOCK_FAULTS)
+    out += _group(results, "Partitions between hosts (`tests/multihost/test_multihost_*.py`)", PARTITIONS)
     out += ["### Bad input", ""]
     rows = []
     for test in BAD_INPUT:
@@ -328,7 +329,7 @@ def _bad_input_times(results: list[Result]) -> list[str]:
         seconds = r.props.get("time_to_error_s", "—")
         what = r.props.get("bad_input") or f"`{r.test}`" + (f" [{r.case}]" if r.case else "")
         rows.append([what, r.backend or "—", _cell(r), seconds])
-    return ["### Bad input: time to a clear error (`tests/test_bad_input*.py`)", ""] + _table(
+    return ["### Bad input: time to a clear error (`tests/backends/test_bad_input*.py`)", ""] + _table(
         ["input", "backend", "outcome", "seconds to the error"], rows) + [""]
 
 

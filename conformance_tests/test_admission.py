@@ -20,7 +20,8 @@ from rdzv_core import KVBackend, RendezvousParams
 from rdzv_core.rendezvous import roundwatch
 from rdzv_core.rendezvous.record import RunKeys
 
-from .test_rendezvous import Agent, Hooked, _until_true
+from .agents import Agent, Hooked
+from .waiting import eventually
 
 pytestmark = pytest.mark.rendezvous
 
@@ -76,7 +77,7 @@ def _spares(run: _Run, count: int, member: Agent, **hooks: Callable[[Any], None]
     spares = []
     for i in range(count):
         spares.append(run.agent(**hooks).start())
-        _until_true(lambda: member.rdzv.describe().get("waiting") == i + 1, 20, f"spare {i + 1} counted as waiting")
+        eventually(lambda: member.rdzv.describe().get("waiting") == i + 1, 20, f"spare {i + 1} counted as waiting")
     return spares
 
 
@@ -125,7 +126,7 @@ def test_a_survivor_that_re_joins_late_keeps_its_place_against_two_spares(run) -
     v1 = _form([a, b, c])
     s1, s2 = _spares(r, 2, a, before_list=_looks_after(a, v1, b_joined))
     c.rdzv.leave()
-    _until_true(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
+    eventually(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
     b.start()
     time.sleep(SLOW)  # A's agent looks late: that is the scenario
     assert a.rdzv.num_nodes_waiting() >= 1
@@ -148,9 +149,9 @@ def test_spares_are_admitted_in_the_order_they_came(run) -> None:
 
     s1 = _spares(r, 1, a, before_take_ticket=s1_slow)[0]
     s2 = r.agent(before_take_ticket=on_s2_ticket).start()
-    _until_true(lambda: a.rdzv.describe().get("waiting") == 2, 20, "spare 2 counted as waiting")
+    eventually(lambda: a.rdzv.describe().get("waiting") == 2, 20, "spare 2 counted as waiting")
     c.rdzv.leave()
-    _until_true(lambda: a.rdzv.num_nodes_waiting() >= 1 and b.rdzv.num_nodes_waiting() >= 1, 10 * TTL,
+    eventually(lambda: a.rdzv.num_nodes_waiting() >= 1 and b.rdzv.num_nodes_waiting() >= 1, 10 * TTL,
                 "A and B told to re-form")
     ra, rb = a.start(), b.start()
     results = [ra.wait(10 * TTL), rb.wait(10 * TTL), s1.wait(10 * TTL)]
@@ -166,14 +167,14 @@ def test_a_newcomer_does_not_take_a_slow_survivors_place(run) -> None:
     a, b, c = r.agent(), r.agent(), r.agent()
     v1 = _form([a, b, c])
     c.rdzv.leave()
-    _until_true(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
+    eventually(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
     b.start()
     newcomers = [r.agent().start() for _ in range(2)]
     time.sleep(SLOW)  # A's agent looks late: that is the scenario
     a.start()
     ra, rb = a.wait(10 * TTL), b.wait(10 * TTL)
     assert ra.version == rb.version > v1 and ra.world_size == 3, (ra, rb)
-    _until_true(lambda: sum(n.done.is_set() for n in newcomers) >= 1, 10 * TTL, "a newcomer admitted")
+    eventually(lambda: sum(n.done.is_set() for n in newcomers) >= 1, 10 * TTL, "a newcomer admitted")
     admitted = [n.wait(1) for n in newcomers if n.done.is_set()]
     assert len(admitted) == 1 and admitted[0].version == ra.version, admitted
 
@@ -190,7 +191,7 @@ def test_the_last_call_waits_for_a_slow_survivor(run) -> None:
     v1 = _form([a, b, c])
     spare = _spares(r, 1, a, before_list=_looks_after(a, v1, b_joined))[0]
     c.rdzv.leave()
-    _until_true(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
+    eventually(lambda: b.rdzv.num_nodes_waiting() >= 1, 10 * TTL, "B told to re-form")
     b.start()
     time.sleep(SLOW)  # A's agent looks late: that is the scenario
     ra = a.start().wait(10 * TTL)
@@ -239,9 +240,9 @@ def test_the_round_watch_marks_the_survivors_when_the_next_round_is_set_up_while
     time.sleep(max(0.0, formed + TTL * 1.25 - time.monotonic()))
     c_left.set()
     c.rdzv.leave()
-    _until_true(lambda: a.rdzv.num_nodes_waiting() >= 1 and b.rdzv.num_nodes_waiting() >= 1, 10 * TTL,
+    eventually(lambda: a.rdzv.num_nodes_waiting() >= 1 and b.rdzv.num_nodes_waiting() >= 1, 10 * TTL,
                 "A and B told to re-form")
-    _until_true(lambda: counter_read.is_set() and set_up.is_set(), 10 * TTL,
+    eventually(lambda: counter_read.is_set() and set_up.is_set(), 10 * TTL,
                 "the next round set up while the round watch looked")
     time.sleep(SLOW)  # A's and B's agents look late: that is the scenario
     a.start(), b.start()

@@ -46,7 +46,7 @@ from rdzv_core import (
 from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
 from .plugin import backends_opened
-from .test_rendezvous import Agent, crew_of, round_of
+from .agents import Agent, crew_of, round_of
 
 pytestmark = pytest.mark.faults
 

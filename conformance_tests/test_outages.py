@@ -30,7 +30,7 @@ from rdzv_core.rendezvous import RoundRecord, Status
 
 from .gate import Gate, GatedBackend
 from .plugin import backends_opened
-from .test_rendezvous import Agent, crew_of, round_of
+from .agents import Agent, crew_of, round_of
 
 pytestmark = pytest.mark.outages
 

@@ -35,6 +35,8 @@ from rdzv_core import (
 )
 from rdzv_core.errors import InvalidArgumentError
 
+from .agents import quiet, run_threads
+
 pytestmark = pytest.mark.protocol
 
 PUT, DELETE = EventType.PUT, EventType.DELETE
@@ -90,43 +92,9 @@ def wait_deleted(kv: KVBackend, key: str, after: int, timeout: float) -> float |
     return None
 
 
-def quiet(kv: KVBackend, prefix: str, after: int, timeout: float) -> list[Event]:
-    """Every event under ``prefix`` after ``after`` during ``timeout`` seconds (expected: none)."""
-    deadline = time.monotonic() + timeout
-    seen: list[Event] = []
-    while (remaining := deadline - time.monotonic()) > 0:
-        batch = kv.watch(prefix, after, remaining)
-        seen += batch
-        if batch:
-            after = batch[-1].revision
-    return seen
-
-
 def head(kv: KVBackend, prefix: str) -> int:
     """The keyspace revision now (read through ``list``)."""
     return kv.list(prefix)[1]
-
-
-def run_threads(n: int, target: Callable[[int], Any], timeout: float = 60.0) -> list[Any]:
-    """Run ``target(i)`` in ``n`` threads started together; return results (or exceptions) by index."""
-    results: list[Any] = [None] * n
-    barrier = threading.Barrier(n)
-
-    def main(i: int) -> None:
-        try:
-            barrier.wait(timeout)
-            results[i] = target(i)
-        except BaseException as exc:  # collected and judged by the test
-            results[i] = exc
-
-    threads = [threading.Thread(target=main, args=(i,), daemon=True) for i in range(n)]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(deadline - time.monotonic(), 0.0))
-    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
-    return results
 
 
 def ttl_deadline(capabilities: Any, ttl: float) -> float:

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from .test_rendezvous import TTL, Agent, _until_true, agents, run_id  # noqa: F401  (fixtures)
+from .agents import TTL, Agent
+from .waiting import eventually
 
 pytestmark = pytest.mark.rendezvous
 
@@ -22,7 +23,7 @@ def _round_in_order(order: list[Agent]) -> dict[int, int]:
     for i, agent in enumerate(order):
         agent.start()
         if i < len(order) - 1:  # the last ticket freezes the round
-            _until_true(lambda: _joined(order[0]) >= i + 1, 20 * TTL, f"agent {i} to take its ticket")
+            eventually(lambda: _joined(order[0]) >= i + 1, 20 * TTL, f"agent {i} to take its ticket")
     results = [a.wait(20 * TTL) for a in order]
     assert len({r.version for r in results}) == 1 and {r.world_size for r in results} == {len(order)}, results
     assert sorted(r.rank for r in results) == list(range(len(order))), results

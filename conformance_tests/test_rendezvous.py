@@ -7,17 +7,15 @@ sizes, versions and raised errors.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Callable
 
 import pytest
 
 from rdzv_core import (
     KVBackend,
-    KVError,
     Rendezvous,
     RendezvousClosedError,
     RendezvousParams,
@@ -27,106 +25,10 @@ from rdzv_core import (
 )
 from rdzv_core.rendezvous import RunKeys
 
+from .agents import TTL, Agent, Hooked
+from .waiting import eventually
+
 pytestmark = pytest.mark.rendezvous
-
-TTL = 1.0  # keep-alive TTL used by these tests (seconds)
-
-
-class Agent:
-    """One node: a Rendezvous on its own client, with next_round run on a thread."""
-
-    def __init__(self, kv: KVBackend, run_id: str, params: RendezvousParams) -> None:
-        self.kv = kv
-        self.rdzv = Rendezvous(kv, run_id, params)
-        self.result: RoundResult | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> "Agent":
-        self.result, self.error = None, None
-        self.done.clear()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            self.result = self.rdzv.next_round()
-        except BaseException as exc:  # recorded for the test to assert on
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def wait(self, timeout: float) -> RoundResult:
-        assert self.done.wait(timeout), "agent did not finish in time"
-        if self.error is not None:
-            raise self.error
-        assert self.result is not None
-        return self.result
-
-
-@contextlib.contextmanager
-def crew_of(clients: Callable[[], KVBackend], run_prefix: str, defaults: dict[str, Any],
-            leave: bool = False) -> Iterator[Callable[..., list[Agent]]]:
-    """``make(n, **params)`` -> n agents of one fresh run (``run_prefix`` + random), each on its own
-    ``clients()`` client, with ``RendezvousParams(**defaults, **params)`` (not started).
-
-    On exit an agent still running (a failed test's) has its client closed, which ends its
-    ``next_round`` at once; with ``leave`` every agent then leaves its round (a backend error
-    there is ignored: the key lapses by its TTL).
-    """
-    run_id = f"{run_prefix}{uuid.uuid4().hex[:10]}"
-    made: list[Agent] = []
-
-    def make(n: int, **params: Any) -> list[Agent]:
-        p = RendezvousParams(**{**defaults, **params})
-        new = [Agent(clients(), run_id, p) for _ in range(n)]
-        made.extend(new)
-        return new
-
-    yield make
-    for agent in made:
-        if agent.thread is not None and agent.thread.is_alive():
-            agent.kv.close()  # a failed test's agent: BackendClosedError ends its next_round at once
-            agent.thread.join(10)
-        if leave:
-            try:
-                agent.rdzv.leave()
-            except KVError:
-                pass
-
-
-def round_of(agents: list[Agent], timeout: float) -> list[RoundResult]:
-    """Every agent's result within ``timeout`` s; they form one round (same version, ranks 0..n-1)."""
-    deadline = time.monotonic() + timeout
-    results = [a.wait(max(0.0, deadline - time.monotonic())) for a in agents]
-    assert sorted(r.rank for r in results) == list(range(len(agents))), results
-    assert {r.world_size for r in results} == {len(agents)}, results
-    assert len({r.version for r in results}) == 1, results
-    return results
-
-
-@pytest.fixture
-def run_id() -> str:
-    return f"run{uuid.uuid4().hex[:12]}"
-
-
-@pytest.fixture
-def agents(kv_factory: Callable[[], KVBackend], run_id: str):
-    """``agents(n, **params)`` -> n Agents on fresh clients (not started)."""
-    made: list[Agent] = []
-
-    def make(n: int, **params: float) -> list[Agent]:
-        p = RendezvousParams(**{"keep_alive_ttl": TTL, "timeout": 30.0, "last_call_timeout": 0.5, **params})
-        new = [Agent(kv_factory(), run_id, p) for _ in range(n)]
-        made.extend(new)
-        return new
-
-    yield make
-    for agent in made:
-        agent.rdzv.leave()
-
 
 def _wait_all(agents: list[Agent], timeout: float = 30.0) -> list[RoundResult]:
     deadline = time.monotonic() + timeout
@@ -251,7 +153,7 @@ def test_member_of_a_destroyed_round_is_told_to_re_rendezvous(agents, kv) -> Non
     kv.compare_and_delete(state_key, entry.revision)  # what the late node's destroy does
     assert [a.rdzv.num_nodes_waiting() >= 1 for a in group] == [True, True]
     late = agents(1, **params)[0].start()
-    _until_true(lambda: group[0].rdzv.describe().get("queued") == 1, 20, "the late node queued")
+    eventually(lambda: group[0].rdzv.describe().get("queued") == 1, 20, "the late node queued")
     for a in group:  # the agents' monitor loop re-rendezvouses on num_nodes_waiting() > 0
         a.start()
     results = _wait_all(group + [late])
@@ -276,26 +178,6 @@ def test_frozen_round_whose_members_never_confirm_is_destroyed(agents, kv, run_i
     _assert_round(results, 2)
     assert results[0].version == 2
     assert time.monotonic() - t0 >= TTL  # waited out the stall, did not destroy at first sight
-
-
-class Hooked:
-    """A real client with hooks: ``before_METHOD(first argument)`` runs before each call of ``METHOD``
-    (e.g. ``before_take_ticket(key)``, ``before_list(prefix)``)."""
-
-    def __init__(self, kv: KVBackend, **hooks: Callable[[Any], None]) -> None:
-        self._kv, self._hooks = kv, hooks
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._kv, name)
-        hook = self._hooks.get(f"before_{name}")
-        if hook is None:
-            return attr
-
-        def hooked(*args: Any, **kwargs: Any) -> Any:
-            hook(args[0] if args else None)
-            return attr(*args, **kwargs)
-
-        return hooked
 
 
 def test_a_stalled_frozen_round_that_turns_final_under_its_destroyer_is_kept(kv_factory, run_id) -> None:
@@ -379,7 +261,7 @@ def test_closed_run_refuses_new_rounds(agents) -> None:
     group = [a.start() for a in agents(2, min_nodes=2, max_nodes=3)]
     _assert_round(_wait_all(group), 2)
     waiting = agents(1, min_nodes=2, max_nodes=3)[0].start()  # a late node: waits until the members re-form
-    _until_true(lambda: group[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
+    eventually(lambda: group[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
     group[0].rdzv.set_closed()
     assert group[1].rdzv.is_closed()
     with pytest.raises(RendezvousClosedError):
@@ -455,15 +337,6 @@ def test_a_run_id_that_could_escape_its_prefix_is_refused(kv, run_id: str) -> No
 # -- membership rules: lapse detection by members, spares, finished members ------------------------------------
 
 
-def _until_true(check: Callable[[], bool], timeout: float, what: str) -> float:
-    """Poll ``check`` every 20 ms; the seconds it took, or fail after ``timeout``."""
-    t0 = time.monotonic()
-    while not check():
-        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout:.1f} s"
-        time.sleep(0.02)
-    return time.monotonic() - t0
-
-
 def test_members_notice_a_lost_member_without_a_waiting_node(agents, capabilities) -> None:
     """A member dies without leaving (its client closed: no delete, the key lapses); no node waits to join.
 
@@ -477,8 +350,10 @@ def test_members_notice_a_lost_member_without_a_waiting_node(agents, capabilitie
     _assert_round(r1, 3)
     lost, *survivors = group
     lost.kv.close()  # a host lost without warning: its keep-alive stops, its key is left to lapse
-    took = _until_true(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in survivors),
-                       TTL + capabilities.ttl_resolution + 3.0, "the survivors noticed the lost member")
+    t0 = time.monotonic()
+    eventually(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in survivors),
+               TTL + capabilities.ttl_resolution + 3.0, "the survivors noticed the lost member")
+    took = time.monotonic() - t0
     assert took >= 0.5 * TTL  # a lapse, not a false alarm at first sight
     for a in survivors:
         a.start()
@@ -492,7 +367,7 @@ def test_a_member_that_leaves_is_noticed_at_once(agents) -> None:
     group = [a.start() for a in agents(3, min_nodes=2, max_nodes=3, last_call_timeout=0.3)]
     _assert_round(_wait_all(group), 3)
     group[0].rdzv.leave()
-    _until_true(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in group[1:]), 20 * TTL,
+    eventually(lambda: all(a.rdzv.num_nodes_waiting() >= 1 for a in group[1:]), 20 * TTL,
                 "the others noticed the member that left")
 
 
@@ -502,7 +377,7 @@ def test_a_spare_does_not_disturb_a_full_round_and_takes_a_lost_place(agents, kv
     members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     r1 = _wait_all(members)
     spare = agents(1, min_nodes=2, max_nodes=2, timeout=2 * TTL)[0].start()
-    _until_true(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    eventually(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     t0 = time.monotonic()
     while time.monotonic() - t0 < 3 * TTL:  # longer than the spare's own timeout: a spare does not time out
         assert [m.rdzv.num_nodes_waiting() for m in members] == [0, 0]
@@ -510,7 +385,7 @@ def test_a_spare_does_not_disturb_a_full_round_and_takes_a_lost_place(agents, kv
         time.sleep(0.05)
     lost, survivor = members
     lost.kv.close()
-    _until_true(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
+    eventually(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
     results = _wait_all([survivor.start(), spare])
     _assert_round(results, 2)
     assert results[0].version > r1[0].version
@@ -522,7 +397,7 @@ def test_a_spare_exits_gracefully_when_the_run_closes(agents) -> None:
     members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     _wait_all(members)
     spare = agents(1, min_nodes=2, max_nodes=2)[0].start()
-    _until_true(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    eventually(lambda: members[0].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     members[0].rdzv.set_closed()
     with pytest.raises(RendezvousGracefulExitError):
         spare.wait(20 * TTL)
@@ -535,7 +410,7 @@ def test_a_finished_member_leaves_without_breaking_the_round(agents, capabilitie
     before = group[1].rdzv.describe()
     group[0].rdzv.leave(finished=True)
     spare = agents(1, min_nodes=2, max_nodes=3, last_call_timeout=0.3)[0].start()
-    _until_true(lambda: group[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    eventually(lambda: group[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     time.sleep(TTL + capabilities.ttl_resolution + 1.0)  # asserted: nothing happens (a plain key would lapse)
     after = group[1].rdzv.describe()
     assert (after["status"], after["version"], after.get("id")) == ("final", r1[0].version, before.get("id"))
@@ -550,7 +425,7 @@ def test_others_carry_on_once_the_round_re_formed_without_this_node(agents) -> N
     assert [a.rdzv.others_carry_on() for a in group] == [False, False, False]
     left_behind, *others = group
     others[0].start()  # leaves the round (its key is deleted) and joins the next one
-    _until_true(lambda: others[1].rdzv.num_nodes_waiting() >= 1, 20 * TTL, "told to re-form")
+    eventually(lambda: others[1].rdzv.num_nodes_waiting() >= 1, 20 * TTL, "told to re-form")
     others[1].start()
     _assert_round(_wait_all(others), 2)
     assert left_behind.rdzv.others_carry_on()
@@ -563,14 +438,14 @@ def test_a_survivor_keeps_its_place_against_two_spares(agents) -> None:
     members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
     _wait_all(members)
     spares = [a.start() for a in agents(2, min_nodes=2, max_nodes=2)]
-    _until_true(lambda: members[1].rdzv.describe().get("waiting") == 2, 20, "both spares counted as waiting")
+    eventually(lambda: members[1].rdzv.describe().get("waiting") == 2, 20, "both spares counted as waiting")
     lost, survivor = members
     lost.kv.close()
-    _until_true(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
+    eventually(lambda: survivor.rdzv.num_nodes_waiting() >= 1, 20 * TTL, "the survivor told to re-form")
     time.sleep(0.2)  # an agent stops its workers first; the spares saw the lapse at least as early
     result = survivor.start().wait(20 * TTL)
     assert result.world_size == 2
-    _until_true(lambda: sum(s.done.is_set() for s in spares) == 1, 20 * TTL, "one spare admitted")
+    eventually(lambda: sum(s.done.is_set() for s in spares) == 1, 20 * TTL, "one spare admitted")
     admitted = next(s for s in spares if s.done.is_set())
     assert admitted.wait(1).version == result.version
     assert not next(s for s in spares if not s.done.is_set()).done.is_set()  # the other one is a spare again
@@ -602,7 +477,7 @@ def test_survivors_re_form_at_once_while_a_dead_members_key_still_lives(agents) 
     lost.kv.close()  # its key stays for the TTL
     t0 = time.monotonic()
     first.start()
-    _until_true(lambda: second.rdzv.num_nodes_waiting() >= 1, ttl / 2, "the second survivor told to re-form")
+    eventually(lambda: second.rdzv.num_nodes_waiting() >= 1, ttl / 2, "the second survivor told to re-form")
     results = _wait_all([first, second.start()], timeout=3 * ttl)
     _assert_round(results, 2)
     assert results[0].version > r1[0].version
@@ -618,7 +493,7 @@ def test_a_spare_takes_a_dead_members_place_at_once_while_its_key_still_lives(ag
     members = [a.start() for a in agents(2, min_nodes=2, max_nodes=2, keep_alive_ttl=ttl)]
     r1 = _wait_all(members)
     spare = agents(1, min_nodes=2, max_nodes=2, keep_alive_ttl=ttl)[0].start()
-    _until_true(lambda: members[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
+    eventually(lambda: members[1].rdzv.describe().get("waiting") == 1, 20, "the spare counted as waiting")
     lost, survivor = members
     lost.kv.close()  # its key stays for the TTL
     t0 = time.monotonic()

@@ -21,7 +21,8 @@ from rdzv_core import (
 )
 from rdzv_core.rendezvous.runconfig import check_run_config
 
-from .test_rendezvous import Agent, crew_of, round_of
+from .agents import Agent, crew_of, round_of
+from .waiting import eventually
 
 pytestmark = pytest.mark.rendezvous
 
@@ -39,13 +40,6 @@ def nodes(kv_factory: Callable[[], KVBackend]) -> Iterator[Callable[..., list[Ag
     node leaves its round at the end (an unfinished one has its client closed first)."""
     with crew_of(kv_factory, "cfg", RUN, leave=True) as make:
         yield make
-
-
-def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
-    t0 = time.monotonic()
-    while not check():
-        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout} s"
-        time.sleep(0.02)
 
 
 def _refused(node: Agent) -> RunConfigMismatchError:
@@ -82,7 +76,7 @@ def test_a_node_with_another_setting_is_refused_and_the_round_is_untouched(nodes
     assert [m.rdzv.num_nodes_waiting() for m in members] == [0, 0]
 
     late = nodes(1)[0].start()  # a third node with the run's settings: the round grows
-    _until(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the matching node counted as waiting")
+    eventually(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the matching node counted as waiting")
     grown = round_of([m.start() for m in members] + [late], 30)
     assert grown[0].version > first[0].version
 
@@ -96,7 +90,7 @@ def test_mixed_nnodes_the_second_is_refused_before_it_joins(nodes, first_nnodes,
     node made the ``2:2`` one fail with a corrupt-state error that closed the run for all three."""
     (low, high), (low2, high2) = first_nnodes, second_nnodes
     waiting = nodes(1, min_nodes=low, max_nodes=high)[0].start()
-    _until(lambda: waiting.rdzv.describe().get("joined") == 1, 20, "the first node joined")
+    eventually(lambda: waiting.rdzv.describe().get("joined") == 1, 20, "the first node joined")
 
     refusal = _refused(nodes(1, min_nodes=low2, max_nodes=high2)[0])
     assert (refusal.field, refusal.value, refusal.run_value) == ("max_nodes", high2, high)
@@ -121,7 +115,7 @@ def test_a_closed_run_is_reported_closed_and_its_configuration_expires_with_it(n
     for m in members:
         m.rdzv.leave()
     gone = (keys.closed, keys.config, keys.round_record)  # each expires on its own (etcd v2: whole seconds)
-    _until(lambda: all(kv.get(k) is None for k in gone), 60, "the closed run expired")
+    eventually(lambda: all(kv.get(k) is None for k in gone), 60, "the closed run expired")
     fresh = nodes(1, min_nodes=1, max_nodes=1, last_call_timeout=0.1)[0].start()
     assert fresh.wait(30).world_size == 1
 
@@ -137,7 +131,7 @@ def test_a_run_without_a_configuration_gets_the_next_nodes(nodes, kv) -> None:
     kv.compare_and_delete(keys.config, entry.revision)  # as a run of an older version has none
 
     late = nodes(1)[0].start()
-    _until(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
+    eventually(lambda: members[0].rdzv.num_nodes_waiting() == 1, 20, "the late node counted as waiting")
     assert kv.get(keys.config) is not None  # recorded again, by the late node
     round_of([m.start() for m in members] + [late], 30)
     assert _refused(nodes(1, last_call_timeout=9.0)[0]).field == "last_call_timeout"

