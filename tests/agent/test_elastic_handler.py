@@ -12,7 +12,9 @@ pytest.importorskip("torch")
 
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous  # noqa: E402
 
-from rdzv_agent import health, launcher, master  # noqa: E402
+from rdzv_agent import master_address as master  # noqa: E402
+from rdzv_agent.launch import launcher  # noqa: E402
+from rdzv_agent.supervision import health  # noqa: E402
 from rdzv_agent.elastic import elastic_handler  # noqa: E402
 from rdzv_core import create_handler  # noqa: E402
 from rdzv_core.torch_api.handler import ElasticHandler, RdzvHandler  # noqa: E402
