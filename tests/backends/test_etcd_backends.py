@@ -49,6 +49,7 @@ from rdzv_core import (
     open_backend,
 )
 from rdzv_core.kv import wait_for_change
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.skipif(shutil.which("etcd") is None, reason="no etcd binary on PATH")
 
@@ -132,19 +133,30 @@ def test_v2_index_cleared_is_history_compacted(etcd: EtcdServer, opener: Callabl
 
 
 class _StateReads:
-    """A real client that counts its ``list`` calls of a run's ``state/`` directory (the round-record reads)."""
+    """A real client that counts its reads of a run's ``state/`` keys (``get`` of the round record, ``list`` of
+    the directory) and its watches."""
 
     def __init__(self, kv: KVBackend) -> None:
         self._kv = kv
         self.reads = 0
+        self.watches = 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._kv, name)
+
+    def get(self, key: str) -> object:
+        if "/state/" in key:
+            self.reads += 1
+        return self._kv.get(key)
 
     def list(self, prefix: str) -> tuple[list[object], int]:
         if prefix.endswith("/state/"):
             self.reads += 1
         return self._kv.list(prefix)  # type: ignore[return-value]
+
+    def watch(self, prefix: str, after_revision: int, timeout: float) -> object:
+        self.watches += 1
+        return self._kv.watch(prefix, after_revision, timeout)
 
 
 def test_v2_a_node_waiting_on_an_old_round_record_does_not_spin(
@@ -169,8 +181,10 @@ def test_v2_a_node_waiting_on_an_old_round_record_does_not_spin(
         probe.put("spin-filler/k", str(i).encode())
     counted = _StateReads(opener(url))
     second = Agent(counted, run_id, params).start()  # type: ignore[arg-type]
-    time.sleep(2.0)  # the second node joins and waits for the round to freeze
-    reads = counted.reads
+    eventually(lambda: counted.reads and counted.watches, 30, "the second node to read the round record and watch")
+    before = counted.reads
+    time.sleep(2.0)  # the window observed: the second node waits for the round to freeze
+    reads = counted.reads - before
     third = Agent(opener(url), run_id, params).start()
     ranks = sorted(a.wait(30).rank for a in (first, second, third))
     assert reads <= 10, f"the waiting node read the round record {reads} times in 2 s"
