@@ -410,7 +410,7 @@ def test_a_launcher_that_hides_its_password_parses_the_url_once_per_image(tmp_pa
 
 
 SWALLOWING_LAUNCHER = """
-import signal, sys
+import glob, os, signal, sys, time
 from rdzv_agent import local
 from rdzv_agent.launch.launcher import main
 
@@ -424,6 +424,9 @@ class Swallowed:
 
 def start_then_signal(self, group):
     pids = started(self, group)
+    deadline = time.monotonic() + 60
+    while not glob.glob(os.path.join(os.environ["RECORDS"], "*.json")) and time.monotonic() < deadline:
+        time.sleep(0.02)  # the worker has written its record: the test knows its pid
     Swallowed()
     return pids
 
@@ -441,7 +444,7 @@ def test_a_signal_whose_exception_was_lost_still_stops_the_launcher(procs, tmp_p
     script.write_text(SWALLOWING_LAUNCHER)
     launcher = procs.start(["--standalone", "--monitor-interval", "0.1", WORKER, "--out", out, "--wait-for",
                             str(tmp_path / "never")], "node", module="swallowing_launcher",
-                           env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])})
+                           env={"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "RECORDS": out})
     rec = eventually(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     assert launcher.wait(60) == 128 + signal.SIGTERM, launcher.tail()
     eventually(lambda: not pid_alive(rec["pid"]), 30, "the worker to be gone", launcher.tail)
