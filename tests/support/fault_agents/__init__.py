@@ -119,6 +119,8 @@ class AgentProcess:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGUSR1)  # the agent dumps its threads' stacks on stderr
+            time.sleep(1.0)  # for the dump to reach stderr: diagnostics only, the test has failed already
             raise AssertionError(f"agent {self.name} did not exit within {timeout} s\n{self.describe()}") from None
 
     def describe(self) -> str:
@@ -127,7 +129,7 @@ class AgentProcess:
             lines = [f"  +{e.at:.3f} {json.dumps(e.data)}" for e in self.events]
         try:
             with open(self.stderr_path, encoding="utf-8", errors="replace") as f:
-                err = f.read()[-3000:]
+                err = f.read()[-8000:]
         except OSError:
             err = "(no stderr)"
         return f"--- {self.name} (pid {self.proc.pid}, exit {self.proc.poll()}) events ---\n" + "\n".join(lines) + \

@@ -45,6 +45,7 @@ exits with 143. SIGKILL, of course, leaves nothing.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release-on", default=None, metavar="FILE")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, _sigterm)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a test that waits in vain dumps the stacks
 
     info, parsed = parse_backend_url(args.url)
     params = RendezvousParams(**{k: parsed.params[k] for k in _PARAM_NAMES if k in parsed.params})
