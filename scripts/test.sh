@@ -58,15 +58,13 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
   .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 "$@"
   rc=$?
 else
-  # Most tests wait (keep-alive TTLs, last calls, partitions, launchers' restarts) far more than they compute,
-  # so both pytests run more workers than there are cores: the waits overlap (docs/testing.md, "Suite time").
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
   # scenarios (real launchers and workers) and the benchmarks' smoke runs run in a second pytest next to the
-  # main one; its report follows the main one's.
+  # main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --dist loadfile -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
-  .venv/bin/python -m pytest "${args[@]}" -n 4 --durations=15 -m "not multihost and not membership and not benchmark"
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
   echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"

@@ -215,7 +215,9 @@ def test_rendezvous_events_from_the_handler(job, node_url, rdzv_base_url, tool):
         ("handler.py:RdzvHandler.next_rendezvous", NodeState.RUNNING, 0),
         ("handler.py:RdzvHandler.shutdown", NodeState.SUCCEEDED, None),
     ], seen
-    assert 1 < beats[0] and beats[-1] < len(evs) - 1  # while a member: after joining, before the end
+    # while a member: from its keep-alive key (written while next_rendezvous confirms, so a beat may come before
+    # next_rendezvous returns on a loaded host), until the end
+    assert 0 < beats[0] and beats[-1] < len(evs) - 1
     assert {e.run_id for e in evs} == {run_id}
     assert {e.pid for e in evs} == {launcher.pid}
     assert evs[1].master_endpoint.rsplit(":", 1)[1].isdigit()

@@ -25,7 +25,7 @@ pytest.importorskip("rdzv_postgres")
 
 
 def _rdzv(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "rdzv_core.admin_cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "rdzv_admin", *args], capture_output=True, text=True,
                           timeout=60)
 
 
