@@ -19,7 +19,9 @@ if [ "${1:-}" = "--quick" ]; then
   .venv/bin/python -m pytest -p no:cacheprovider --rdzv-url "memory://conformance/" -n 2 -q \
     -m "not multihost and not membership and not benchmark" \
     --ignore tests/core/test_clock_offset.py conformance_tests tests/core "$@"
-  exit $?
+  rc=$?
+  [ "$rc" -eq 5 ] && { echo "scripts/test.sh --quick: pytest collected no tests (exit 5) - treating as a failure" >&2; exit 1; }
+  exit "$rc"
 fi
 
 sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
