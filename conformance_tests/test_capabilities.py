@@ -6,7 +6,7 @@ Each :class:`~rdzv_core.kv.Capabilities` field and where the suite checks it:
 ``multi_process``      here: another process reads this one's write, and this one reads (and watches) its
 ``persistent``         here: a key written by a process that has exited is read by a later process
 ``max_value_bytes``    ``test_protocol.py``: ``test_value_too_large_writes_nothing``, ``test_one_mebibyte_value``
-``ttl_resolution``     ``test_protocol.py``: ``test_ttl_expiry_is_a_delete_event`` (expiry seen in time)
+``ttl_resolution``     ``test_protocol_ttl_watch.py``: ``test_ttl_expiry_is_a_delete_event`` (expiry seen in time)
 ``multi_host``,        declared, not checked here: one machine cannot show them (a second host, a skewed
 ``server_side_ttl``,   client clock, a push-versus-poll watch, a TLS or password-protected server are the
 ``native_watch``,      backend's own tests' business)

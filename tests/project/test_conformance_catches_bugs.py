@@ -51,12 +51,13 @@ CASES: dict[str, Case] = {
         },
     ),
     "broken-ttl": Case(
-        tests=("test_protocol.py::test_ttl_expiry_is_a_delete_event", "test_protocol.py::test_refresh_absent_key"),
+        tests=("test_protocol_ttl_watch.py::test_ttl_expiry_is_a_delete_event",
+               "test_protocol_ttl_watch.py::test_refresh_absent_key"),
         fail={"test_ttl_expiry_is_a_delete_event": "expiry never reached watch as a DELETE"},
     ),
     "broken-watch": Case(
-        tests=("test_protocol.py::test_watch_sees_every_change_in_order",
-               "test_protocol.py::test_watch_returns_history_immediately"),
+        tests=("test_protocol_ttl_watch.py::test_watch_sees_every_change_in_order",
+               "test_protocol_ttl_watch.py::test_watch_returns_history_immediately"),
         fail={"test_watch_sees_every_change_in_order": "watch must return every change under the prefix (deletes too)"},
     ),
     "broken-multiprocess": Case(
