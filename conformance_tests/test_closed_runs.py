@@ -13,7 +13,9 @@ from typing import Callable
 
 import pytest
 
-from rdzv_core import KVBackend, create_handler
+from rdzv_core import KVBackend
+
+from .jobs import job_url, run_job
 
 JOBS = 200
 CLOSED_RUN_TTL = 2.0
@@ -22,18 +24,11 @@ PATIENCE = 30.0
 
 
 def _job_url(base_url: str, prefix: str, run_id: str, **extra: str) -> str:
-    base, _, query = base_url.partition("?")
-    params = {"min_nodes": "1", "max_nodes": "1", "last_call_timeout": "0.1", "prefix": prefix,
-              "closed_run_ttl": str(CLOSED_RUN_TTL), **extra}
-    return f"{base}{run_id}?" + "&".join([query] * bool(query) + [f"{k}={v}" for k, v in params.items()])
+    return job_url(base_url, prefix, run_id, **{"closed_run_ttl": str(CLOSED_RUN_TTL), **extra})
 
 
 def _run_job(url: str) -> int:
-    handler = create_handler(url, local_addr="127.0.0.1")
-    info = handler.next_rendezvous()
-    info.store.set("result", b"done")
-    assert handler.shutdown() is True
-    return int(info.rank)
+    return int(run_job(url).rank)
 
 
 def _count(kv: KVBackend, prefix: str) -> int:

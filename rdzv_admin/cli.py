@@ -40,6 +40,7 @@ from rdzv_core.errors import (
     RendezvousStateError,
 )
 from rdzv_core.kv import KVBackend, parse_counter
+from rdzv_core.labels import incarnation_of
 from rdzv_core.plugins import list_backends, parse_backend_url
 from rdzv_core.rendezvous import Rendezvous, RendezvousParams, Status, progress_keys
 
@@ -59,10 +60,24 @@ EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or 
 VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
 
 def _open(url: str) -> tuple[KVBackend, Rendezvous]:
+    """The backend and the run of ``url``: its incarnation is the URL's ``incarnation``, else the scheduler's
+    restart counter in this environment (as a node's: :func:`rdzv_core.labels.incarnation_of`), else 0.
+
+    Raises:
+        InvalidURLError, UnknownBackendError, ConfigError: a bad URL, or a bad ``SLURM_RESTART_COUNT``.
+        BackendUnavailableError: the backend cannot be reached.
+    """
     info, parsed = parse_backend_url(url)
+    incarnation, _ = incarnation_of(parsed.params)
+    # the URL's keep_alive_ttl dates keep-alive refreshes
+    params = RendezvousParams.from_query({**parsed.params, "incarnation": incarnation})
     kv = info.spec.open(parsed)
-    params = RendezvousParams.from_query(parsed.params)  # the URL's keep_alive_ttl dates keep-alive refreshes
     return kv, Rendezvous(kv, parsed.run_id, params)
+
+
+def _run_name(rdzv: Rendezvous) -> str:
+    """``run RUN_ID``, with ``(incarnation N)`` when N is not 0."""
+    return f"run {rdzv.run_id}" + (f" (incarnation {rdzv.incarnation})" if rdzv.incarnation else "")
 
 
 def _confirm(args: argparse.Namespace, what: str) -> bool:
@@ -245,6 +260,7 @@ def _status_warnings(state: dict[str, Any]) -> tuple[list[str], bool]:
 
 def _print_status(state: dict[str, Any], counter: str, limit: int = 20, members_limit: int | None = None) -> None:
     print(f"{'run id':<13} {state['run_id']}")
+    print(f"{'incarnation':<13} {state.get('incarnation', 0)}")
     print(f"{'state':<13} {state['status']}")
     for key in ("version", "participants", "joined", "waiting"):
         if key in state:
@@ -282,10 +298,10 @@ def _print_status(state: dict[str, Any], counter: str, limit: int = 20, members_
 
 
 def cmd_close(args: argparse.Namespace) -> int:
-    if not _confirm(args, f"close run {args.url.split('?')[0].rsplit('/', 1)[-1]}"):
-        return 1
     kv, rdzv = _open(args.url)
     with kv:
+        if not _confirm(args, f"close {_run_name(rdzv)}"):
+            return 1
         rdzv.set_closed()
     print("closed")
     return 0
@@ -297,7 +313,7 @@ def cmd_reset(args: argparse.Namespace) -> int:
     kv, rdzv = _open(args.url)
     with kv:
         live = _live_members(kv, rdzv)
-        what = f"delete all state of run {rdzv.run_id}"
+        what = f"delete all state of {_run_name(rdzv)}"
         if live:
             what += (f" while {len(live)} member(s) are live ({', '.join(live[:5])}"
                      f"{', ...' if len(live) > 5 else ''}; their agents will re-rendezvous)")

@@ -1,6 +1,7 @@
 """``rdzv runs URL``: every run stored under a server's key prefix, one row each.
 
-A row is the run id, its state (the round record's status and version, ``closed``, or ``absent`` when
+A row is the run id and incarnation (``docs/design.md``, "Incarnations": each incarnation is a run of its own
+in the backend), its state (the round record's status and version, ``closed``, or ``absent`` when
 only leftovers are stored), its members (live keep-alive keys of the current round) and its age:
 seconds since the close (the closed mark's time), else since the newest member joined (its ``since``),
 else ``None``.
@@ -8,6 +9,7 @@ else ``None``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -15,14 +17,14 @@ from typing import Any
 from rdzv_core.errors import CorruptEntryError, RendezvousStateError
 from rdzv_core.kv import KVBackend
 from rdzv_core.rendezvous import Rendezvous, RendezvousParams
+from rdzv_core.rendezvous.record import parse_run_segment
 
 __all__ = ["list_runs", "render"]
 
-_RUN_SEGMENT = "run_"
-
 
 def list_runs(kv: KVBackend, params: RendezvousParams, now: float | None = None) -> list[dict[str, Any]]:
-    """The runs under ``params.prefix``, sorted by run id: ``{"run_id", "state", "version", "members", "age"}``
+    """The runs under ``params.prefix``, sorted by run id and incarnation: ``{"run_id", "incarnation", "state",
+    "version", "members", "age"}``
     (``age`` in seconds or ``None``; ``state`` ``corrupt`` with ``"error"`` when the run's state cannot be read).
 
     Raises:
@@ -30,14 +32,15 @@ def list_runs(kv: KVBackend, params: RendezvousParams, now: float | None = None)
     """
     now = time.time() if now is None else now
     root = params.prefix + "/" if params.prefix else ""
-    run_ids = sorted({key[len(root):].split("/", 1)[0][len(_RUN_SEGMENT):]
-                      for key in (e.key for e in kv.list(root)[0])
-                      if key[len(root):].startswith(_RUN_SEGMENT)})
-    return [_row(kv, Rendezvous(kv, run_id, params), now) for run_id in run_ids if run_id]
+    runs = sorted({run for run in (parse_run_segment(e.key[len(root):].split("/", 1)[0])
+                                   for e in kv.list(root)[0]) if run is not None})
+    return [_row(kv, Rendezvous(kv, run_id, dataclasses.replace(params, incarnation=incarnation)), now)
+            for run_id, incarnation in runs]
 
 
 def _row(kv: KVBackend, rdzv: Rendezvous, now: float) -> dict[str, Any]:
-    row: dict[str, Any] = {"run_id": rdzv.run_id, "state": None, "version": None, "members": 0, "age": None}
+    row: dict[str, Any] = {"run_id": rdzv.run_id, "incarnation": rdzv.incarnation, "state": None, "version": None,
+                           "members": 0, "age": None}
     try:
         state = rdzv.describe()
     except (RendezvousStateError, CorruptEntryError) as exc:
@@ -70,9 +73,10 @@ def _age(now: float, then: float | None) -> float | None:
 
 def render(rows: list[dict[str, Any]]) -> list[str]:
     """The rows as text lines, a header first."""
-    lines = [f"{'run id':<30} {'state':<10} {'version':>7} {'members':>7} {'age (s)':>9}"]
+    lines = [f"{'run id':<30} {'inc.':>4} {'state':<10} {'version':>7} {'members':>7} {'age (s)':>9}"]
     for r in rows:
         version = "-" if r["version"] is None else str(r["version"])
         age = "-" if r["age"] is None else f"{r['age']:.0f}"
-        lines.append(f"{r['run_id']:<30} {r['state']:<10} {version:>7} {r['members']:>7} {age:>9}")
+        lines.append(f"{r['run_id']:<30} {r['incarnation']:>4} {r['state']:<10} {version:>7} {r['members']:>7} "
+                     f"{age:>9}")
     return lines

@@ -1,4 +1,6 @@
-"""A node's topology labels from its environment, for ``rank_policy=topology`` (``docs/ranks.md``).
+"""What a node's environment says about it: its topology labels and its run's incarnation.
+
+**Labels**, for ``rank_policy=topology`` (``docs/ranks.md``).
 
 In order of precedence: the ``node_labels`` query key (``rdzv-run --node-labels``), then
 :data:`LABELS_ENV` (``rack=r1,switch=s3``), then Slurm's ``SLURM_TOPOLOGY_ADDR`` with
@@ -6,6 +8,11 @@ In order of precedence: the ``node_labels`` query key (``rdzv-run --node-labels`
 from the top level down to the leaf, then the node, ``.``-separated, e.g. ``s0.s3.node7`` with
 pattern ``switch.switch.node``): the switches become ``switch1=s0,switch2=s3`` (the node name
 is the host tie-break already).
+
+**Incarnation** (``docs/design.md``, "Incarnations"): the ``incarnation`` query key, else a
+scheduler's restart counter (:data:`INCARNATION_SOURCES`: Slurm's ``SLURM_RESTART_COUNT``, set in a
+requeued job), else 0. A requeued job keeps its job id, and so the run id derived from it; its
+incarnation keeps it out of the earlier, closed run.
 """
 
 from __future__ import annotations
@@ -13,9 +20,10 @@ from __future__ import annotations
 import os
 from typing import Mapping
 
-from .url import parse_node_labels
+from .errors import InvalidURLError
+from .url import parse_node_labels, to_int
 
-__all__ = ["LABELS_ENV", "environment_labels"]
+__all__ = ["LABELS_ENV", "environment_labels", "INCARNATION_SOURCES", "incarnation_of"]
 
 #: The environment variable a node's labels may be given in (read by the handler, also under plain torchrun).
 LABELS_ENV = "RDZV_NODE_LABELS"
@@ -43,3 +51,31 @@ def environment_labels(environ: Mapping[str, str] | None = None) -> str:
     except ValueError:
         return ""  # a switch name these labels cannot hold: not ours to refuse
     return text
+
+
+#: The schedulers' restart counters a run's incarnation is taken from when the query has none, first set wins.
+INCARNATION_SOURCES: tuple[str, ...] = ("SLURM_RESTART_COUNT",)
+
+
+def incarnation_of(query: Mapping[str, object], environ: Mapping[str, str] | None = None) -> tuple[int, str]:
+    """The run's incarnation and where it came from: ``(n, "query")`` if ``query`` (a URL's converted
+    ``params``) has ``incarnation``, else ``(n, VARIABLE)`` from the first of :data:`INCARNATION_SOURCES`
+    set to a non-empty value, else ``(0, "default")``. ``n`` is an int >= 0.
+
+    Raises:
+        InvalidURLError: the variable is not an integer >= 0 (names the variable and its value).
+    """
+    given = query.get("incarnation")
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given, "query"
+    env = os.environ if environ is None else environ
+    for name in INCARNATION_SOURCES:
+        raw = env.get(name, "")
+        if raw == "":
+            continue
+        try:
+            return to_int(name, raw, 0), name
+        except InvalidURLError as exc:
+            raise InvalidURLError(name, raw, f"{exc.reason}: the scheduler's restart count is this run's "
+                                  "incarnation (set incarnation=N in the URL or --rdzv-conf to choose it)") from None
+    return 0, "default"

@@ -196,6 +196,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "reform": _reform,
     "node_rank": lambda f, v: to_int(f, v, 0),
     "node_labels": _node_labels,
+    "incarnation": lambda f, v: to_int(f, v, 0),
 }
 
 #: Other names accepted for the canonical keys (torchelastic's and torch's names).

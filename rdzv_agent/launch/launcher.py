@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, reporter: Reporter,
                      heartbeat: health.Heartbeat) -> tuple[Any, str, dict[str, Any]]:
-    """The handler, the rendezvous as shown to a person, and the node counts/timeout shown.
+    """The handler, the rendezvous as shown to a person, and the node counts/timeout (and the run's incarnation,
+    ``None`` for a static rendezvous) shown.
 
     Raises:
         ValueError: a bad option (exit status 2).
@@ -233,6 +234,7 @@ def _open_rendezvous(config: LaunchConfig, target: RendezvousURL | StaticRendezv
     settings = None if elastic is None else elastic.params  # the settings the handler runs with
     shown = {k: (None if settings is None else getattr(settings, k)) or url.params.get(k)
              for k in ("min_nodes", "max_nodes", "timeout")}
+    shown["incarnation"] = None if settings is None else settings.incarnation  # URL, else SLURM_RESTART_COUNT
     return handler, url.redacted(), shown
 
 
@@ -282,7 +284,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
                 prom.on_event(event)
             if event.kind == "rendezvous":
                 reporter.waiting(handler.get_run_id(), shown["min_nodes"], shown["max_nodes"], shown["timeout"],
-                                 event.data["attempt"])
+                                 event.data["attempt"], shown.get("incarnation"))
                 if isinstance(target, StaticRendezvous):  # torch's handler reports no progress: bounded by its timeout
                     heartbeat.hold()
             else:

@@ -118,11 +118,14 @@ class Reporter:
         stream.write(f"rdzv-run: {text}\n")
         stream.flush()
 
-    def waiting(self, run_id: str, min_nodes: Any, max_nodes: Any, timeout: Any, attempt: int) -> None:
-        """Announce that the node is about to wait for a rendezvous round."""
+    def waiting(self, run_id: str, min_nodes: Any, max_nodes: Any, timeout: Any, attempt: int,
+                incarnation: int | None = None) -> None:
+        """Announce that the node is about to wait for a rendezvous round (``incarnation``: the run's, ``None``
+        when the handler has none, e.g. torch's static rendezvous; docs/schedulers.md)."""
         nodes = f"{min_nodes if min_nodes is not None else '?'}:{max_nodes if max_nodes is not None else '?'}"
         limit = f"{float(timeout):g} s" if timeout is not None else "the backend's default"
-        self.say(f"waiting for rendezvous (run {run_id!r}, nodes {nodes}, timeout {limit}, attempt {attempt})")
+        which = "" if incarnation is None else f", incarnation {incarnation}"
+        self.say(f"waiting for rendezvous (run {run_id!r}{which}, nodes {nodes}, timeout {limit}, attempt {attempt})")
 
     def progress(self, progress: Any) -> None:
         """Progress callback for the handler (see the module docstring)."""

@@ -44,12 +44,22 @@ from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, missing_ranks
 from .steps import DeadlinePassedError, Held, Retry, Stall, Step, next_step
 
-__all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
+__all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY", "closed_message"]
 
 #: seconds: the shortest window over which nodes that find no round stagger their setup (see ``_setup``).
 SETUP_STAGGER = 0.05
 #: Seconds between two INFO lines of a node waiting as a spare.
 SPARE_LOG_EVERY = 60.0
+
+
+def closed_message(run_id: str, incarnation: int) -> str:
+    """The one-line message of a closed run, with the ways out: a new run id, ``rdzv reset URL`` (with the
+    incarnation's query key when it is not 0) or the next incarnation."""
+    which = f" (incarnation {incarnation})" if incarnation else ""
+    reset = "'rdzv reset URL'" + (f" (with incarnation={incarnation} in the URL)" if incarnation else "")
+    return (f"run {run_id}{which} is closed: its job ended and a closed run forms no new rounds; start the job with "
+            f"a new run id, delete this run's state with {reset} to use the id again, or (a job restarted by a "
+            f"scheduler) give it the next incarnation: incarnation={incarnation + 1}")
 
 
 class RoundMachine(Membership):
@@ -73,7 +83,7 @@ class RoundMachine(Membership):
         on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.kv = kv
-        self.keys = RunKeys(params.prefix, run_id)
+        self.keys = RunKeys(params.prefix, run_id, params.incarnation)  # the one key root of a URL's run
         self.run_id = self.keys.run_id
         self.params = params
         self.on_progress = on_progress
@@ -105,6 +115,11 @@ class RoundMachine(Membership):
         self._held: Held | None = None
 
     @property
+    def incarnation(self) -> int:
+        """The run's incarnation (:attr:`RunKeys.incarnation`; ``docs/design.md``, "Incarnations")."""
+        return self.keys.incarnation
+
+    @property
     def root(self) -> str:
         """The run's key root ``PREFIX/run_RUN_ID`` (:attr:`RunKeys.root`)."""
         return self.keys.root
@@ -125,7 +140,7 @@ class RoundMachine(Membership):
         if step is Step.CLOSED:
             if self._spare_since is not None:
                 raise RendezvousGracefulExitError(f"run {self.run_id} closed while this node waited as a spare")
-            raise RendezvousClosedError(f"run {self.run_id} is closed")
+            raise RendezvousClosedError(closed_message(self.run_id, self.keys.incarnation))
         self._spare_since = None
         if step is Step.JOIN:
             return self._join(record.version, record.id, deadline)

@@ -291,17 +291,17 @@ class Rendezvous(RoundMachine):
         return self.keys.store_prefix(version, self._rid_of(version, round_id))
 
     def describe(self) -> dict[str, Any]:
-        """The run's current state as plain data: the record's fields, alive members, joined and waiting,
-        ``queued`` (nodes in the admission queue) and ``group_ranks`` (the group rank of each slot) when the
-        round's rank policy gave them.
+        """The run's current state as plain data: its ``run_id`` and ``incarnation`` (int), the record's fields,
+        alive members, joined and waiting, ``queued`` (nodes in the admission queue) and ``group_ranks`` (the
+        group rank of each slot) when the round's rank policy gave them.
 
         Raises:
             RendezvousStateError: the round record or a counter is corrupt.
         """
         record = self._read_state()[1]
         if record is None:
-            return {"run_id": self.run_id, "status": "absent"}
-        out: dict[str, Any] = {"run_id": self.run_id, **record.as_dict()}
+            return {"run_id": self.run_id, "incarnation": self.incarnation, "status": "absent"}
+        out: dict[str, Any] = {"run_id": self.run_id, "incarnation": self.incarnation, **record.as_dict()}
         if record.version > 0:
             alive, _ = self.kv.list(self.keys.alive_dir(record.version, record.id))
             out["alive"] = [member_record(e) for e in alive]

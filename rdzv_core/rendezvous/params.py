@@ -38,6 +38,9 @@ class RendezvousParams:
     reform               fast       a round after a final one: ``fast`` freezes it once
                                     nobody else is expected, ``last_call`` waits out
                                     the last call (``docs/design.md``, "Re-forming")
+    incarnation          0          which incarnation of the run (int >= 0): 0 is the
+                                    run itself, N > 0 keeps its keys under a root of
+                                    its own (``docs/design.md``, "Incarnations")
     ===================  =========  ===================================================
 
     Raises:
@@ -55,6 +58,7 @@ class RendezvousParams:
     node_rank: int | None = None
     node_labels: str = ""
     reform: str = DEFAULT_REFORM
+    incarnation: int = 0
 
     @classmethod
     def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
@@ -65,7 +69,7 @@ class RendezvousParams:
             ConfigError: a value is out of range (names the field and value).
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
-                  "node_rank", "node_labels", "closed_run_ttl", "reform")
+                  "node_rank", "node_labels", "closed_run_ttl", "reform", "incarnation")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -100,6 +104,10 @@ class RendezvousParams:
         if rank is not None and self.rank_policy == "join":
             raise ConfigError("node_rank", rank, "rank_policy=join gives ranks in join order only; a rank request "
                               "needs rank_policy=stable or topology")
+        inc = self.incarnation
+        if isinstance(inc, bool) or not isinstance(inc, int) or inc < 0:
+            raise ConfigError("incarnation", inc, "must be an int >= 0 (0: the run itself; N > 0: its N-th restart "
+                              "under a scheduler)")
         if not isinstance(self.node_labels, str):
             raise ConfigError("node_labels", self.node_labels, "must be text KEY=VALUE[,KEY=VALUE...]")
         parse_node_labels("node_labels", self.node_labels)

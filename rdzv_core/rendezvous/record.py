@@ -1,6 +1,7 @@
 """The round record, the keep-alive record and the run's key map: encoded and decoded here only.
 
-Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`)::
+Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`; incarnation N > 0 of the run:
+``ROOT = PREFIX/run_RUN_ID%incN``, a segment no run id's root can be, see :func:`run_segment`)::
 
     ROOT/state/round            JSON round record (the only key compare-and-swapped)
     ROOT/state/closed           present once the run is closed: {"closed": UNIX_TIME}, TTL closed_run_ttl
@@ -32,17 +33,25 @@ import re
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from ..errors import RendezvousStateError
+from ..errors import ConfigError, InvalidURLError, RendezvousStateError
 from ..kv import Entry, escape_segment, join_key
 from ..url import DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, validate_run_id
 
 __all__ = ["Status", "RoundRecord", "RunConfig", "RUN_SETTINGS", "RunKeys", "round_segment", "member_record",
+           "run_segment", "parse_run_segment", "RUN_SEGMENT", "INCARNATION_MARK",
            "missing_ranks", "encode_json", "MAX_STATE_BYTES", "REJOINING", "REJOINED"]
 
 #: Bytes a round record may have at most (a larger one is corrupt).
 MAX_STATE_BYTES = 4096
 #: A round id as written in a record (``uuid4().hex[:16]``) and read back: it becomes part of a key segment.
 _ROUND_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
+#: The first characters of a run's root segment: ``run_RUN_ID``.
+RUN_SEGMENT = "run_"
+#: What separates the run id from an incarnation N > 0 in the root segment (``run_RUN_ID%incN``): ``%`` is a key
+#: character (:mod:`rdzv_core.keys`) that no run id holds (:func:`rdzv_core.url.validate_run_id`), so an
+#: incarnation's root is never another run's, and never below its incarnation 0's root ``run_RUN_ID/``.
+INCARNATION_MARK = "%inc"
+_INCARNATION = re.compile(r"(0|[1-9][0-9]{0,6})")
 #: The last segment of a keep-alive key: ``rank_R``.
 RANK_PREFIX = "rank_"
 
@@ -248,6 +257,34 @@ def round_segment(version: int, rid: str | None) -> str:
     return f"v_{version}.{rid}" if rid else f"v_{version}"
 
 
+def run_segment(run_id: str, incarnation: int = 0) -> str:
+    """The root segment of ``run_id``'s incarnation ``incarnation``: ``run_RUN_ID`` for 0 (the keys of every run
+    before incarnations existed), ``run_RUN_ID%incN`` for N > 0.
+
+    Raises:
+        InvalidURLError: ``run_id`` is not a valid run id.
+        ConfigError: ``incarnation`` is not an int >= 0.
+    """
+    validate_run_id(run_id)
+    if isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation < 0:
+        raise ConfigError("incarnation", incarnation, "must be an int >= 0")
+    return RUN_SEGMENT + run_id + (f"{INCARNATION_MARK}{incarnation}" if incarnation else "")
+
+
+def parse_run_segment(segment: str) -> tuple[str, int] | None:
+    """``(run id, incarnation)`` of a root segment :func:`run_segment` made; ``None`` for any other segment."""
+    if not segment.startswith(RUN_SEGMENT):
+        return None
+    run_id, mark, number = segment[len(RUN_SEGMENT):].partition(INCARNATION_MARK)
+    if mark and (not _INCARNATION.fullmatch(number) or number == "0"):
+        return None
+    try:
+        validate_run_id(run_id)
+    except InvalidURLError:
+        return None
+    return run_id, int(number) if mark else 0
+
+
 @dataclass(frozen=True)
 class RunKeys:
     """Every key of one run (see the module docstring), for the state machine, ``rdzv status`` and tests.
@@ -255,14 +292,18 @@ class RunKeys:
     Args:
         prefix: the key prefix (``RendezvousParams.prefix``, e.g. ``"torchelastic/p2p"``).
         run_id: the run id (checked as :func:`rdzv_core.url.validate_run_id` does).
+        incarnation: the run's incarnation (int >= 0; ``docs/design.md``, "Incarnations"): the root is
+            :func:`run_segment`'s, so two incarnations of a run share no key.
 
     Raises:
         InvalidURLError: ``run_id`` is not a valid run id.
+        ConfigError: ``incarnation`` is not an int >= 0.
     """
 
     prefix: str
     run_id: str
-    root: str = dataclasses.field(init=False)  #: ``PREFIX/run_RUN_ID``
+    incarnation: int = 0
+    root: str = dataclasses.field(init=False)  #: ``PREFIX/run_RUN_ID`` (``PREFIX/run_RUN_ID%incN``: incarnation N)
     tree: str = dataclasses.field(init=False)  #: ``ROOT/``: every key of the run
     state_dir: str = dataclasses.field(init=False)  #: ``ROOT/state/``: the round record, closed mark and config
     round_record: str = dataclasses.field(init=False)  #: ``ROOT/state/round``
@@ -274,7 +315,7 @@ class RunKeys:
     queue_dir: str = dataclasses.field(init=False)  #: ``ROOT/admission/queue/``: nodes waiting for a place
 
     def __post_init__(self) -> None:
-        root = join_key(self.prefix, "run_" + validate_run_id(self.run_id))
+        root = join_key(self.prefix, run_segment(self.run_id, self.incarnation))
         for name, value in (("root", root), ("tree", root + "/"), ("state_dir", root + "/state/"),
                             ("round_record", root + "/state/round"), ("closed", root + "/state/closed"),
                             ("config", root + "/state/config"),

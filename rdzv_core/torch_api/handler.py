@@ -40,7 +40,7 @@ from ..rendezvous import progress_keys
 from .address import Endpoint, published_address
 from ..backoff import Backoff
 from ..kv import KVBackend
-from ..labels import environment_labels
+from ..labels import environment_labels, incarnation_of
 from ..metered import MeteredKV
 from ..outage import OutageLog
 from ..plugins import parse_backend_url
@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 #: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
                      "local_addr", "on_progress", "store_timeout", "backend_name", "rank_policy", "node_rank",
-                     "node_labels", "closed_run_ttl", "reform")
+                     "node_labels", "closed_run_ttl", "reform", "incarnation")
 
 T = TypeVar("T")
 
@@ -191,6 +191,11 @@ class RdzvHandler(torch_api.RendezvousHandler):
         settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
         if "node_labels" not in settings:  # RDZV_NODE_LABELS or the scheduler's: also under plain torchrun
             settings["node_labels"] = environment_labels()
+        # the query's incarnation, else the scheduler's restart counter (a requeued Slurm job): docs/schedulers.md
+        settings["incarnation"], source = incarnation_of(settings)
+        if source != "default":
+            log.info("run %s: incarnation %d (from %s)", parsed.run_id, settings["incarnation"],
+                     "the URL" if source == "query" else source)
         params = RendezvousParams.from_query(settings)
         try:
             kv = info.spec.open(parsed)
