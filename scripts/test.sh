@@ -60,7 +60,7 @@ args=(-p no:cacheprovider -p rdzv_postgres.testing
   --rdzv-url "etcd-v3://{server:etcd}/"
   --rdzv-url "postgresql://{server:postgres}/?history_limit=1000")
 if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 "$@"
+  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 "$@"
   rc=$?
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
@@ -70,7 +70,10 @@ else
   mh_log=$(mktemp)
   .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark and not scheduler"
+  # The main run: 4 workers, of which at most 2 run launcher tests at once (marker launchers, tests/conftest.py:
+  # CPU-bound) while the others take the tests that mostly wait.
+  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
+    -m "not multihost and not membership and not benchmark and not scheduler"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
   echo "== multi-host, membership, benchmark-smoke and scheduler tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"

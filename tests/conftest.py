@@ -1,4 +1,4 @@
-"""Which backends the launcher-level scenarios run over.
+"""Which backends the launcher-level scenarios run over, and how many launcher tests run at once.
 
 The conformance plugin runs every test that takes ``rdzv_base_url`` once per ``--rdzv-url``. Tests marked
 ``agent_scenario`` exercise the launcher (``rdzv-run``, torchrun with the ``rdzv-*`` handlers) on top of the
@@ -8,9 +8,17 @@ default -- and over Redis where a test has no ``file`` variant; they are deselec
 (the suite's wall time on 2 cores); ``--rdzv-every-backend`` runs them over all.
 Every backend is covered by the conformance suite, by the membership scenarios that depend on a backend's
 watch and TTL (``tests/multihost/test_membership.py``: a frozen node, a spare) and by the multi-host scenarios.
+
+Modules marked ``launchers`` start launchers (``rdzv-run``, ``torchrun``: ``import torch``, 2-3 s of CPU each) or
+torch workers; most other tests wait (TTLs, last calls, partitions) far more than they compute. Under
+``pytest -n N --dist loadgroup`` (``scripts/test.sh``) the launcher tests are split by test id into
+:data:`LAUNCHER_STREAMS` groups, each run by one worker, so at most that many run at once while the other workers
+take the waiting tests (docs/testing.md, "Suite time").
 """
 
 from __future__ import annotations
+
+import zlib
 
 import pytest
 
@@ -18,6 +26,8 @@ import pytest
 AGENT_SCENARIO_BACKENDS = ("file",)
 #: The scheme a launcher-level test without a ``file`` variant runs over.
 AGENT_SCENARIO_FALLBACK = "redis"
+#: Launcher tests (marker ``launchers``) that run at once under ``--dist loadgroup``: one per core here.
+LAUNCHER_STREAMS = 2
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -29,6 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "agent_scenario: launcher-level scenario, run over "
                             f"{' and '.join(AGENT_SCENARIO_BACKENDS)} only (tests/conftest.py)")
+    config.addinivalue_line("markers", "launchers: starts launchers or torch workers (CPU-bound); under --dist "
+                            f"loadgroup at most {LAUNCHER_STREAMS} run at once (tests/conftest.py)")
 
 
 def _backend_of(item: pytest.Item) -> str | None:
@@ -41,7 +53,18 @@ def _backend_of(item: pytest.Item) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
+def _group_launcher_tests(items: list[pytest.Item]) -> None:
+    """Give each ``launchers`` test one of :data:`LAUNCHER_STREAMS` ``xdist_group`` names, by a stable hash of
+    its id (every xdist worker must compute the same groups); ``--dist loadgroup`` runs a group on one worker."""
+    for item in items:
+        if item.get_closest_marker("launchers") is not None and item.get_closest_marker("xdist_group") is None:
+            stream = zlib.crc32(item.nodeid.encode()) % LAUNCHER_STREAMS
+            item.add_marker(pytest.mark.xdist_group(f"launchers-{stream}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _group_launcher_tests(items)
     if config.getoption("--rdzv-every-backend"):
         return
     def test_of(item: pytest.Item) -> str:

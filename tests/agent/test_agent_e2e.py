@@ -22,7 +22,8 @@ from tests.support.agent_workers.harness import (
 from tests.support.waiting import eventually
 from rdzv_core import create_handler
 
-pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario]  # over file:// and redis:// (tests/conftest.py)
+# over file:// and redis:// (agent_scenario), at most two launcher tests at once (launchers): tests/conftest.py
+pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario, pytest.mark.launchers]
 
 START = 240.0  # seconds for nodes to start, form a round and begin training (torch imports on 2 cores)
 FINISH = 300.0  # seconds for the job to finish after the fault

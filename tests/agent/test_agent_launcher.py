@@ -26,7 +26,7 @@ from rdzv_agent.launch import config as launch_config
 from rdzv_agent.launch.launcher import main
 from rdzv_agent.master_address import choose_port
 
-pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]  # over file:// and redis:// only (tests/conftest.py)
 
 def test_failing_worker_exhausts_restarts_and_summary_names_rank_and_error(node_url, procs, tmp_path):
     run_id = new_run(procs)

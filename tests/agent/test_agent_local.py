@@ -23,6 +23,8 @@ from rdzv_agent import LocalElasticAgent, Std, WorkerFailure, WorkerGroupFailure
 from rdzv_agent.master_address import choose_port
 from rdzv_core import create_handler
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 
 def file_handler(tmp_path):
     run_id = f"local{uuid.uuid4().hex[:8]}"

@@ -17,7 +17,7 @@ from tests.support.agent_workers.harness import HERE, Launcher, kill_run
 
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]  # over file:// and redis:// only (tests/conftest.py)
 
 LOG_WORKER = os.path.join(HERE, "log_worker.py")
 

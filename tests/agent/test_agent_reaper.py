@@ -21,7 +21,7 @@ from tests.support.agent_workers.harness import HERE, Launcher, pid_alive
 
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.agent_scenario
+pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]
 
 ORPHAN_WORKER = os.path.join(HERE, "orphan_worker.py")
 #: Seconds the helpers may outlive their launcher (the watchdog's or the launcher's kill, then the kernel's reaping).

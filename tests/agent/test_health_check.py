@@ -24,7 +24,7 @@ from tests.support.agent_workers.harness import Launcher
 
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launchers]
 pytest.importorskip("torch")
 
 PORT_ENV = "TORCHELASTIC_HEALTH_CHECK_PORT"

@@ -24,6 +24,8 @@ from tests.support.waiting import eventually
 from rdzv_agent.launch.launcher import main
 from tests.support.launch_runs import new_run, records, run_is_closed
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 AFFINITY = textwrap.dedent(
     """
     import json, os, sys

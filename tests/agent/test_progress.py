@@ -35,6 +35,8 @@ from rdzv_admin import cli as admin_cli
 from rdzv_core.rendezvous.progress_keys import NodeProgress
 from rdzv_admin.progress_view import analyse, render
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 pytest.importorskip("torch")
 
 ROLES = ("fast-a", "fast-b", "slow")

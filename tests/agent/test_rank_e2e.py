@@ -21,7 +21,7 @@ from tests.support.agent_workers.harness import HERE, Launcher, kill_run
 from tests.support.waiting import eventually
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
-pytestmark = [pytest.mark.slow, pytest.mark.ranks]
+pytestmark = [pytest.mark.slow, pytest.mark.ranks, pytest.mark.launchers]
 
 WORKER = os.path.join(HERE, "rank_worker.py")
 TTL = 2.0

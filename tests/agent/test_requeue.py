@@ -9,7 +9,7 @@ import pytest
 from tests.support.agent_workers.harness import WORKER
 from tests.support.launch_runs import new_run, records, run_is_closed
 
-pytestmark = pytest.mark.agent_scenario  # over file:// only (tests/conftest.py)
+pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]  # over file:// only (tests/conftest.py)
 
 
 def _job(procs, url: str, out: str, name: str, env: dict[str, str] | None = None) -> list[int]:

@@ -22,7 +22,8 @@ from tests.support.agent_workers.harness import Launcher
 from tests.support.waiting import eventually
 from rdzv_agent.supervision.stuck import UninterruptibleCheck, in_uninterruptible_sleep
 
-pytestmark = pytest.mark.skipif(not dstate.supported(), reason="needs Linux x86_64/aarch64 (raw clone)")
+pytestmark = [pytest.mark.skipif(not dstate.supported(), reason="needs Linux x86_64/aarch64 (raw clone)"),
+              pytest.mark.launchers]
 
 ENV = "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT"
 DSTATE = dstate.__file__

@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 from torch.distributed.elastic.events.api import Event, EventSource, NodeState, RdzvEvent  # noqa: E402
 
-pytestmark = pytest.mark.agent_scenario  # over file:// and redis:// only (tests/conftest.py)
+pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]  # over file:// and redis:// only (tests/conftest.py)
 
 
 #: rank FAIL_RANK raises (with torch's @record) while TORCHELASTIC_RESTART_COUNT < FAIL_TIMES (KILL=1: SIGKILLs

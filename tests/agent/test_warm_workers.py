@@ -31,6 +31,8 @@ from rdzv_agent.launch.config import build_config
 from rdzv_agent.workers.warm import WarmProcess, boot_argv
 from rdzv_core.errors import ConfigError
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 PROBE = os.path.join(HERE, "warm_probe.py")
 #: Environment variables whose values differ between two runs (ports, run ids, per-run paths).
 PER_RUN = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "RDZV_REAPER_TOKEN",

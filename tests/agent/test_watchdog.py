@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.agent_workers.harness import Launcher
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launchers]
 pytest.importorskip("torch")
 
 # Writes start_<restart count>_<local rank> (JSON: pid, time, timer file) first. Attempt 0, local rank 0: a 1 s

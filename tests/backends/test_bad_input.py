@@ -24,6 +24,8 @@ from conformance_tests.redis_server import RedisServer
 from rdzv_core import ConfigError, InvalidURLError, Rendezvous, RendezvousParams, create_handler, open_backend
 from rdzv_core.url import parse_url
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 #: Parse-time errors must come at once (seconds; a loaded 2-core host).
 FAST = 1.0
 

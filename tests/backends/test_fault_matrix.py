@@ -63,7 +63,7 @@ from rdzv_core import (
 )
 from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launchers]
 
 TTL = 1.0  #: keep_alive_ttl (seconds)
 LAST_CALL = 1.0  #: last_call_timeout (seconds)

@@ -31,6 +31,8 @@ from typing import Any
 
 import pytest
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 #: Seconds a repetition may take at most (it takes a fraction of a second).
 DEADLINE = 60.0
 

@@ -16,7 +16,7 @@ from tests.support.agent_workers.harness import TRAIN_DIGITS, Launcher, accuraci
 from tests.support.waiting import eventually
 from conformance_tests.redis_sentinel import MASTER_NAME, SentinelGroup
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.launchers]
 
 START = 240.0  # seconds for the nodes to start, form a round and begin training (torch imports on 2 cores)
 FINISH = 300.0  # seconds for the job to finish after the failover

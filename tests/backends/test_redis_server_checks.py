@@ -18,6 +18,8 @@ from tests.support.servers import serve
 from conformance_tests.redis_server import RedisCluster, RedisServer, RedisTLSServer
 from rdzv_core import ConfigError, UnsuitableServerError, open_backend
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 #: How long refusing a server may take at most (seconds): one PING and one INFO on loopback.
 FAST = 1.0
 LAUNCH_DEADLINE = 120.0  #: seconds a launcher (it imports torch) may take to exit on a loaded machine

@@ -28,6 +28,8 @@ import pytest
 
 import conformance_tests
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 SUITE = Path(conformance_tests.__file__).parent
 RUN_TIMEOUT = 150.0
 

@@ -21,6 +21,8 @@ from rdzv_core import Rendezvous, RendezvousParams, open_backend
 from rdzv_core.plugins import list_backends
 from rdzv_core.torch_api.torchrun import endpoint_url, rendezvous_url
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 pytest.importorskip("rdzv_postgres")
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 

@@ -19,6 +19,8 @@ import pytest
 from tests.support.waiting import eventually
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 pytest.importorskip("torch")
 
 #: ``--rdzv-backend`` -> rdzv URL scheme (see rdzv_core.torch_api.torchrun).

@@ -27,6 +27,8 @@ from tests.support.agent_workers.harness import processes_of_run
 from rdzv_agent.launch.args import _PetFlag, _PetValue, build_parser
 from rdzv_agent.master_address import choose_port
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 #: Variables whose values legitimately differ between the two launchers, and why.
 DIFFERENT_VALUES = {
     "MASTER_PORT": "a free port each launcher picks (elastic), or the --master-port each test run is given",

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.launchers  # starts launchers or torch workers (tests/conftest.py)
+
 pytest.importorskip("torch")
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "examples" / "torchrun_scripts"
