@@ -52,7 +52,7 @@ class _MasterAddress:
             redis.sentinel.MasterNotFoundError: no sentinel answered, or none names a master that
                 is up (during a failover).
         """
-        host, port = self.sentinel.discover_master(self.service_name)  # type: ignore[no-untyped-call]
+        host, port = self.sentinel.discover_master(self.service_name)  # type: ignore[no-untyped-call, unused-ignore]
         return str(host), int(port)
 
 
@@ -76,7 +76,7 @@ class _MasterConnection(SentinelManagedConnection):
 
     def on_connect_check_health(self, check_health: bool = True) -> None:
         super().on_connect_check_health(check_health=check_health)
-        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call]
+        self.send_command("ROLE", check_health=False)  # type: ignore[no-untyped-call, unused-ignore]
         role = self.read_response()
         if not role or role[0] not in (b"master", "master"):
             raise redis.ConnectionError(
@@ -118,7 +118,7 @@ class SentinelBackend(RedisBackend):
     ) -> None:
         self.sentinels = [(host, int(port)) for host, port in sentinels]
         self.master_name = master_name
-        self._sentinel = Sentinel(self.sentinels, sentinel_kwargs={  # type: ignore[no-untyped-call]
+        self._sentinel = Sentinel(self.sentinels, sentinel_kwargs={  # type: ignore[no-untyped-call, unused-ignore]
             "socket_timeout": operation_timeout,
             "socket_connect_timeout": operation_timeout,
             "username": sentinel_username,
