@@ -34,7 +34,7 @@ from torch.distributed import DistError
 from rdzv_core.errors import RdzvError
 
 __all__ = ["RoundGone", "SetupTimeout", "wait_keys", "wait_values", "assign_ranks", "exit_barrier", "BARRIER_PREFIX",
-           "COMPLETE", "LEFT", "TIMED_OUT"]
+           "COMPLETE", "LEFT", "TIMED_OUT", "UNREACHABLE"]
 
 #: torch's keys (``_TERMINAL_STATE_SYNC_ID``, ``_assign_worker_ranks``'s prefixes).
 BARRIER_PREFIX = "torchelastic/agent/terminal_state"
@@ -42,7 +42,7 @@ ROLE_INFO_PREFIX = "torchelastic/role_info/"
 ASSIGNED_RANKS_PREFIX = "torchelastic/assigned_ranks/"
 
 #: :func:`exit_barrier` outcomes.
-COMPLETE, LEFT, TIMED_OUT = "complete", "left", "timeout"
+COMPLETE, LEFT, TIMED_OUT, UNREACHABLE = "complete", "left", "timeout", "unreachable"
 
 
 #: Seconds between two writes of an agent's own key while it waits at the exit barrier.
@@ -149,8 +149,9 @@ def exit_barrier(store: Any, group_rank: int, group_world_size: int, timeout: fl
 
     Returns:
         :data:`COMPLETE` (every agent of the round arrived), :data:`LEFT`
-        (``should_leave()``: the round ended, its other members re-form) or
-        :data:`TIMED_OUT` (``timeout`` seconds passed first).
+        (``should_leave()``: the round ended, its other members re-form),
+        :data:`TIMED_OUT` (``timeout`` seconds passed first) or :data:`UNREACHABLE` (they passed while the
+        store failed: whether the others finished is unknown).
     """
     if group_world_size <= 1:
         return COMPLETE
@@ -163,7 +164,7 @@ def exit_barrier(store: Any, group_rank: int, group_world_size: int, timeout: fl
             if should_leave():
                 return LEFT
             if time.monotonic() >= deadline:
-                return TIMED_OUT
+                return UNREACHABLE
             time.sleep(min(poll or 0.5, max(0.0, deadline - time.monotonic())))
             continue
         until = deadline if poll is None else min(deadline, time.monotonic() + BARRIER_REASSERT)

@@ -181,7 +181,8 @@ class SimpleElasticAgent(ElasticAgent):
         """How the exit barrier ended: ``"complete"`` (every agent of the round finished),
         ``"left"`` (the round ended meanwhile: a member failed and the others re-form),
         ``"closed"`` (another node ended the job meanwhile: it closed the run),
-        ``"timeout"``, ``"skipped"`` (timeout 0), or ``None`` (the workers did not succeed)."""
+        ``"timeout"``, ``"unreachable"`` (the timeout passed while the store failed), ``"skipped"`` (timeout 0),
+        or ``None`` (the workers did not succeed)."""
         return self._exit_barrier_outcome
 
     @property

@@ -376,6 +376,10 @@ def _run(agent: LocalElasticAgent, handler: Any, signals: Sequence[signal.Signal
             elif agent.exit_barrier == "timeout":  # the others still train: leave them the round and the run
                 close, finished = False, True
                 outcome = "SUCCEEDED (the other nodes did not finish within --exit-barrier-timeout: run left open)"
+            elif agent.exit_barrier == "unreachable":  # nobody knows whether the others finished: leave the run
+                close, finished = False, True
+                outcome = ("SUCCEEDED (the rendezvous backend did not answer at the exit barrier for "
+                           "--exit-barrier-timeout: run left open)")
         except WorkerGroupFailureException as exc:
             failures = [e for e in exc.get_worker_exceptions().values() if isinstance(e, WorkerFailure)]
             code, outcome = EXIT_FAILURE, f"FAILED: {exc}"

@@ -178,6 +178,8 @@ class Reporter:
                 "complete": "; every node of the round is done",
                 "left": "; the other nodes re-form without this one (the run stays open for them)",
                 "timeout": "; the other nodes did not finish within --exit-barrier-timeout (the run stays open)",
+                "unreachable": "; the rendezvous backend did not answer within --exit-barrier-timeout (the run "
+                               "stays open)",
                 "closed": "; another node ended the job meanwhile (the run is closed)",
             }.get(str(d.get("exit_barrier")), "")
             self.say(f"all local workers finished successfully{barrier}")

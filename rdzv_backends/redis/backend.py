@@ -165,7 +165,8 @@ class RedisBackend(KVBackend):
             elif isinstance(exc.__cause__, redis.exceptions.ConnectionError) and (
                     _find_cause(exc.__cause__, ConnectionResetError) is not None
                     or "closed by server" in str(exc.__cause__)):
-                raise BackendConnectionError(f"{exc}; the server may require TLS: use rediss://") from exc.__cause__
+                raise BackendConnectionError(f"{exc}; the server closed the connection: it may require TLS (then use "
+                                             "rediss://), or it is not a Redis server") from exc.__cause__
             raise
 
     def _check_server(self) -> None:

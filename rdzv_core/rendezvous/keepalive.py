@@ -189,8 +189,8 @@ class KeepAlive:
             observe.keepalive_refresh(ended - started, exc)
             wait = self._retry.delay()
             # a server down for a minute is one WARNING line, not hundreds
-            self._outage.failed("keep-alive refresh of %s failed (retrying every %.1f s or so until it works): %s",
-                                self.key, wait, exc)
+            self._outage.failed("keep-alive refresh of %s failed (retrying at most %.1f s apart until it works): %s",
+                                self.key, self._retry.cap, exc)
             self._notify(exc)
             return wait
 

@@ -91,6 +91,23 @@ def test_exit_barrier_outlasts_a_backend_restart() -> None:
         server.stop()
 
 
+def test_exit_barrier_says_unreachable_when_the_backend_never_answers() -> None:
+    """The backend is gone for the whole barrier window: the outcome says so (not that the others did not finish)."""
+    pytest.importorskip("redis")
+    from conformance_tests.redis_server import RedisServer
+
+    server = RedisServer()
+    server.start()
+    kv = open_backend(f"redis://{server.address}/?operation_timeout=0.3")
+    try:
+        store = KVStore(kv, "round/", datetime.timedelta(seconds=1))
+        server.kill()
+        assert coordination.exit_barrier(store, 0, 2, 1.5, 0.1, lambda: False) == coordination.UNREACHABLE
+    finally:
+        kv.close()
+        server.stop()
+
+
 def test_exit_barrier_outlasts_a_backend_that_lost_its_keys(monkeypatch, store) -> None:
     """The backend loses every key while an agent waits at the barrier (a server restarted without its data):
     the waiting agent writes its arrival again, and the barrier completes when the other one arrives."""

@@ -130,7 +130,7 @@ def test_bad_input_no_client_certificate_for_a_tls_1_2_server_that_demands_one(r
 def test_bad_input_plain_redis_url_to_a_tls_only_port(mtls: RedisTLSServer, record_property: Any) -> None:
     error, elapsed = open_bad(f"redis://{mtls.address}/run", "redis:// URL to a TLS-only Redis port",
                               record_property, BackendConnectionError)
-    assert "may require TLS: use rediss://" in str(error)
+    assert "may require TLS (then use rediss://)" in str(error)
     assert elapsed < FAST
 
 
