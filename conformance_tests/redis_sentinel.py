@@ -149,12 +149,14 @@ class SentinelGroup:
         self.wait_for_master(deadline=time.monotonic() + self.start_timeout)
 
     def kill(self) -> None:
-        """SIGKILL the current master (as the sentinels name it) and wait for it to be gone."""
-        self.master().kill()
+        """SIGKILL the current master (as the sentinels name it) and wait for it to be gone; first wait until a
+        failover can follow (every sentinel knows the replica and the other sentinels)."""
+        self._failover_ready(time.monotonic() + self.start_timeout).kill()
 
     def pause(self) -> None:
-        """SIGSTOP the current master (the sentinels fail over after ``DOWN_AFTER_MS`` of silence)."""
-        server = self.master()
+        """SIGSTOP the current master (the sentinels fail over after ``DOWN_AFTER_MS`` of silence); first wait
+        until a failover can follow, as :meth:`kill` does."""
+        server = self._failover_ready(time.monotonic() + self.start_timeout)
         server.pause()
         self._paused.append(server)
 
@@ -189,7 +191,10 @@ class SentinelGroup:
 
     def wait_for_master(self, *, other_than: str | None = None, deadline: float) -> GroupServer:
         """Wait until every sentinel names the same master (not ``other_than``, a ``"HOST:PORT"``),
-        that server answers ``ROLE`` as master, and it has a connected replica if both servers run.
+        that server answers ``ROLE`` as master, and it has a connected replica if both servers run --
+        and, for a failover to follow a kill, every running sentinel knows that replica as a healthy one
+        and the other running sentinels (a restarted sentinel learns both only from the master's ``INFO``
+        and hello messages, seconds later: a master killed before could be failed over by nobody).
 
         Args:
             other_than: the old master's address, after a failover is due.
@@ -210,7 +215,7 @@ class SentinelGroup:
                 seen = named
                 if len(set(named)) == 1 and named[0] != other_than:
                     server = next((s for s in self.servers if s.address == named[0]), None)
-                    if server is not None and self._serves_as_master(server):
+                    if server is not None and self._serves_as_master(server) and self._sentinels_ready(server):
                         return server
             except (redis.RedisError, OSError) as exc:
                 seen = exc
@@ -230,6 +235,47 @@ class SentinelGroup:
             replicas = role[2]
             return bool(replicas) and all(s.address in {f"{r[0]}:{r[1]}" for r in _decoded(replicas)}
                                           for s in running if s is not server)
+
+    def _failover_ready(self, deadline: float) -> GroupServer:
+        """The master, once every running sentinel knows its replica and the other sentinels (a master killed
+        before that could be failed over by nobody); its replication link may be down (a test cut it).
+
+        Raises:
+            RuntimeError: not so by ``deadline`` (a ``time.monotonic()`` value).
+        """
+        import redis
+
+        while True:
+            try:
+                master = self.master()
+                if self._sentinels_ready(master):
+                    return master
+            except (redis.RedisError, OSError, RuntimeError):
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError("the sentinels do not all know the replica and each other: no failover would "
+                                   "follow a kill of the master")
+            time.sleep(0.1)
+
+    def _sentinels_ready(self, master: GroupServer) -> bool:
+        """Whether every running sentinel lists each running server but ``master`` as a replica with no
+        ``s_down``/``disconnected`` flag (its link to the master may be down: a test may have cut it), and
+        every other running sentinel as healthy."""
+        import redis
+
+        running = [s for s in self.sentinels if s.proc is not None and s.proc.poll() is None]
+        replicas = {s.address for s in self.servers if s is not master and s.proc is not None and s.proc.poll() is None}
+        for sentinel in running:
+            with redis.Redis(sentinel.host, sentinel.port, socket_timeout=1) as client:
+                known = [_fields(r) for r in client.execute_command("SENTINEL", "REPLICAS", MASTER_NAME)]
+                peers = [_fields(r) for r in client.execute_command("SENTINEL", "SENTINELS", MASTER_NAME)]
+            healthy = {f"{r.get('ip')}:{r.get('port')}" for r in known if r.get("flags") == "slave"}
+            if not replicas <= healthy:
+                return False
+            if sum(1 for p in peers if "down" not in p.get("flags", "") and "disconnected" not in p.get("flags", "")
+                   ) < len(running) - 1:
+                return False
+        return True
 
     def _named_masters(self, every: bool = False) -> list[str]:
         """The master address each answering sentinel names (``every``: all must answer)."""
@@ -254,6 +300,15 @@ class SentinelGroup:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _fields(flat: Any) -> dict[str, str]:
+    """A ``SENTINEL REPLICAS``/``SENTINELS`` entry (``[key, value, key, value, ...]``, or a dict when the client
+    parsed it) as a dict of text."""
+    if isinstance(flat, dict):
+        return {_text(k): _text(v) for k, v in flat.items()}
+    items = [_text(part) for part in flat]
+    return dict(zip(items[0::2], items[1::2], strict=True))
 
 
 def _decoded(replicas: Any) -> list[list[str]]:
