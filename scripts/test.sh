@@ -64,19 +64,18 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
   rc=$?
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
-  # scenarios (real launchers and workers), the benchmarks' smoke runs and the jobs under a real Slurm (marker
-  # scheduler: tests/scheduler) run in a second pytest next to the main one (together they keep both cores busy:
-  # docs/testing.md, "Suite time"); its report follows the main one's.
+  # scenarios (real launchers and workers) and the benchmarks' smoke runs run in a second pytest next to the
+  # main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
   # The main run: 4 workers, of which at most 2 run launcher tests at once (marker launchers, tests/conftest.py:
-  # CPU-bound) while the others take the tests that mostly wait.
+  # CPU-bound) while the others take the tests that mostly wait; the Slurm jobs (tests/scheduler) on one of them.
   .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
-    -m "not multihost and not membership and not benchmark and not scheduler"
+    -m "not multihost and not membership and not benchmark"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host, membership, benchmark-smoke and scheduler tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"
+  echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"
   cat "$mh_log"; rm -f "$mh_log"
   if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
     [ "$mh_rc" -ne 0 ] && rc=$mh_rc

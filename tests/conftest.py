@@ -55,9 +55,14 @@ def _backend_of(item: pytest.Item) -> str | None:
 
 def _group_launcher_tests(items: list[pytest.Item]) -> None:
     """Give each ``launchers`` test one of :data:`LAUNCHER_STREAMS` ``xdist_group`` names, by a stable hash of
-    its id (every xdist worker must compute the same groups); ``--dist loadgroup`` runs a group on one worker."""
+    its id (every xdist worker must compute the same groups), and the ``scheduler`` tests one group (one Slurm
+    cluster); ``--dist loadgroup`` runs a group on one worker."""
     for item in items:
-        if item.get_closest_marker("launchers") is not None and item.get_closest_marker("xdist_group") is None:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        if item.get_closest_marker("scheduler") is not None:
+            item.add_marker(pytest.mark.xdist_group("scheduler"))
+        elif item.get_closest_marker("launchers") is not None:
             stream = zlib.crc32(item.nodeid.encode()) % LAUNCHER_STREAMS
             item.add_marker(pytest.mark.xdist_group(f"launchers-{stream}"))
 
