@@ -69,10 +69,9 @@ else
   mh_log=$(mktemp)
   .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
-  # The main run: 4 workers, of which at most 2 run launcher tests at once (marker launchers, tests/conftest.py:
-  # CPU-bound) while the others take the tests that mostly wait; the Slurm jobs (tests/scheduler) on one of them.
-  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
-    -m "not multihost and not membership and not benchmark"
+  # The main run: 2 workers (at -n 4 --dist loadgroup, with two of them on launcher tests, the machine ran at a
+  # load of 8 beside the second run and timing tests failed: docs/testing.md, "Suite time").
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
   echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"

@@ -11,9 +11,9 @@ watch and TTL (``tests/multihost/test_membership.py``: a frozen node, a spare) a
 
 Modules marked ``launchers`` start launchers (``rdzv-run``, ``torchrun``: ``import torch``, 2-3 s of CPU each) or
 torch workers; most other tests wait (TTLs, last calls, partitions) far more than they compute. Under
-``pytest -n N --dist loadgroup`` (``scripts/test.sh``) the launcher tests are split by test id into
-:data:`LAUNCHER_STREAMS` groups, each run by one worker, so at most that many run at once while the other workers
-take the waiting tests (docs/testing.md, "Suite time").
+``pytest -n N --dist loadgroup`` (``scripts/test.sh`` with a selection) the launcher tests are split by test id
+into :data:`LAUNCHER_STREAMS` groups, each run by one worker, so at most that many run at once while the other
+workers take the waiting tests (docs/testing.md, "Suite time"). The full run uses ``-n 2`` and ignores the groups.
 """
 
 from __future__ import annotations
