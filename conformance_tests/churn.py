@@ -28,8 +28,9 @@ class ChurnAgent:
     """One node of a churn: ``name``, its own client ``kv`` and :class:`Rendezvous`, and its thread."""
 
     def __init__(self, name: str, kv: KVBackend, run_id: str, params: RendezvousParams, history: History,
-                 rng: random.Random, poll: tuple[float, float]) -> None:
+                 rng: random.Random, poll: tuple[float, float], admitted: threading.Event) -> None:
         self.name, self.kv, self.history, self.rng, self.poll = name, kv, history, rng, poll
+        self.admitted = admitted  # set at any agent's first admission (shared)
         self.rdzv = Rendezvous(kv, run_id, params)
         self.member = False  # between next_round's return and the next ask or leave
         self.killed = False
@@ -45,6 +46,7 @@ class ChurnAgent:
                 result = self.rdzv.next_round()
                 self.history.admitted(self.name, result)
                 self.member = True
+                self.admitted.set()
                 while not self.stopping.is_set():
                     if self.leave_now.wait(self.rng.uniform(*self.poll)):
                         self.member = False
@@ -93,7 +95,9 @@ def run_churn(clients: Callable[[], KVBackend], seed: int, *, agents: int = 12, 
               poll: tuple[float, float] = (0.3, 1.5), tick: tuple[float, float] = (0.4, 1.0),
               p_kill: float = 0.25, p_leave: float = 0.2, run_prefix: str = "churn") -> ChurnResult:
     """Run a churn of about ``agents`` agents for ``duration`` s on clients from ``clients()`` (one each);
-    ``p_kill``/``p_leave``: chance per tick of a kill / of a member leaving for good. Ends every agent
+    ``p_kill``/``p_leave``: chance per tick of a kill / of a member leaving for good. The ``duration`` counts
+    from the first round (a loaded host may take seconds to form it), and the first kill hits a member, so a
+    churn always makes a round re-form (were every kill to hit a spare, nothing would be checked). Ends every agent
     (closes its client) and joins its thread before returning; the history is stopped first. The caller
     checks ``result.history`` and ``result.errors`` (an agent's unexpected exception, with its name).
 
@@ -106,28 +110,34 @@ def run_churn(clients: Callable[[], KVBackend], seed: int, *, agents: int = 12, 
                               keep_alive_ttl=keep_alive_ttl, timeout=10 * duration + 60)
     history = History(keep_alive_ttl, min_nodes, max_nodes)
     result = ChurnResult(seed, history, [])
+    first_round = threading.Event()
 
     def arrive() -> None:
         agent = ChurnAgent(f"n{len(result.agents)}", clients(), run_id, params, history,
-                           random.Random(rng.random()), poll)
+                           random.Random(rng.random()), poll, first_round)
         result.agents.append(agent)
         agent.thread.start()
 
     try:
         for _ in range(agents):
             arrive()
+        first_round.wait(params.timeout)  # not formed by then: the agents' RendezvousTimeoutError says so
+        member_lost = False
         end = time.monotonic() + duration
         while time.monotonic() < end:
             time.sleep(min(rng.uniform(*tick), max(0.0, end - time.monotonic())))  # the churn's own pacing
             alive = [a for a in result.agents if not a.killed and a.thread.is_alive()]
             draw = rng.random()
             members = [a for a in alive if a.member and not a.leave_now.is_set()]
-            if alive and draw < p_kill:  # half of the kills hit a member (most agents are spares)
-                rng.choice(members if members and rng.random() < 0.5 else alive).kill()
+            if alive and draw < p_kill:  # the first and then half of the kills hit a member (most agents are spares)
+                hit_member = members and (rng.random() < 0.5 or not member_lost)
+                rng.choice(members if hit_member else alive).kill()
+                member_lost = member_lost or bool(hit_member)
                 result.kills += 1
             elif draw < p_kill + p_leave:
                 if members:
                     rng.choice(members).leave_now.set()
+                    member_lost = True
                     result.leaves += 1
             alive = [a for a in result.agents if not a.killed and a.thread.is_alive() and not a.leave_now.is_set()]
             if len(alive) < agents and rng.random() < 0.7:
