@@ -10,8 +10,9 @@ is this checkout, so ``examples/train_digits.py`` is the real script.
 * the PyTorchJob's three workers run the manifest's command as written and train ``train_digits.py`` to the
   end at world size 3;
 * the Indexed Job's three pods train to the end at world size 3, in the run named by the Job's name and uid;
-* an Indexed Job pod deleted (every process on its host killed) and created again under a new pod name with a
-  new address: the run re-forms with it at world size 3 and the job completes;
+* a pod deleted (every process on its host killed) and created again with a new address -- an Indexed Job's
+  under a new pod name, a PyTorchJob's under its name: the run re-forms with it at world size 3 and the job
+  completes;
 * the PyTorchJob started with minReplicas (2) workers trains at world size 2; a third worker (the job scaled to
   maxReplicas) joins and the world grows to 3.
 
@@ -146,18 +147,26 @@ def test_indexed_job_pods_train_to_the_end_at_world_size_3(site) -> None:
     assert {r["run_id"] for r in here.records().values()} == {f"train-indexed-{uid}"}  # the Job's name and uid
 
 
-def test_a_deleted_indexed_job_pod_comes_back_under_a_new_name_and_address(site) -> None:
-    here = site(INDEXED)
-    job, uid = find(INDEXED, "Job"), str(uuid.uuid4())
-    pods = [here.start(job, i, suffix=_suffix(), owner_uid=uid) for i in range(3)]
+@pytest.mark.parametrize("kind", ["Job", "PyTorchJob"])
+def test_a_deleted_pod_created_again_with_a_new_address_rejoins_and_the_job_completes(site, kind) -> None:
+    """An Indexed Job's replacement pod gets a new name (and keeps the host name); a PyTorchJob's keeps both."""
+    objects = INDEXED if kind == "Job" else PYTORCHJOB
+    here = site(objects)
+    job, uid = find(objects, kind), str(uuid.uuid4())
+
+    def create(index: int) -> RunningPod:
+        return here.start(job, index, **({"suffix": _suffix(), "owner_uid": uid} if kind == "Job" else {}))
+
+    pods = [create(i) for i in range(3)]
     eventually(lambda: here.training_on(pods, 3), FORM, "three pods training at world size 3",
                lambda: here.tails(pods))
     lost = pods[1]
     here.pods.delete(lost)
     assert lost.proc.returncode is not None and lost.host.processes() == []
-    replacement = here.start(job, 1, suffix=_suffix(), owner_uid=uid)  # the Job controller's new pod
-    assert replacement.pod.name != lost.pod.name and replacement.host.address != lost.host.address
-    assert replacement.host.run(["hostname"]).stdout.strip() == lost.pod.hostname == "train-indexed-1"
+    replacement = create(1)  # the controller's new pod
+    assert replacement.host.address != lost.host.address
+    assert (replacement.pod.name != lost.pod.name) == (kind == "Job")
+    assert replacement.host.run(["hostname"]).stdout.strip() == lost.pod.hostname
     now = [pods[0], replacement, pods[2]]
     eventually(lambda: here.training_on(now, 3), FORM, "the run re-formed with the new pod at world size 3",
                lambda: here.tails(now))

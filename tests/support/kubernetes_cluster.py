@@ -14,8 +14,9 @@ cluster, through every host's ``/etc/hosts``, rewritten whenever a pod starts or
   a ``subdomain`` (a headless Service's records).
 
 :meth:`PodCluster.delete` is the pod's deletion: every process on its host is killed (SIGKILL: the kubelet's
-grace period is not modelled) and its names leave DNS. A pod created again (the Job controller's replacement)
-is a new host with a new address, named like the new pod (``suffix``), with the old one's host name.
+grace period is not modelled) and its names leave DNS. A pod created again (a controller's replacement) is a
+new host with a new address and the old one's host name: named like the new pod (an Indexed Job's, with a new
+``suffix``), or ``POD-N`` for its N-th re-creation where the controller reuses the pod's name (a PyTorchJob's).
 """
 
 from __future__ import annotations
@@ -97,11 +98,14 @@ class PodCluster:
             env: variables of the image's environment (under the pod's own).
 
         Raises:
-            ValueError: see :func:`pod_of`; a ``replace_args`` key not in the argv; a pod name already used
-                (a pod created again under its old name, as a PyTorchJob's or a StatefulSet's, is not modelled).
+            ValueError: see :func:`pod_of`; a ``replace_args`` key not in the argv.
         """
         name, hostname = pod_names(obj, index, suffix)
-        host = self.cluster.add_host(name, hostname=hostname)
+        used, host_name, again = {h.name for h in self.cluster}, name, 0
+        while host_name in used:  # the pod created again under its name: a new host all the same
+            again += 1
+            host_name = f"{name}-{again}"
+        host = self.cluster.add_host(host_name, hostname=hostname)
         pod = pod_of(obj, index, pod_ip=host.address, namespace=self.namespace, suffix=suffix,
                      **({"owner_uid": owner_uid} if owner_uid else {}))
         argv = list(pod.argv)
