@@ -87,7 +87,9 @@ class Host:
     """One host of a :class:`Cluster`: a network namespace with an address, a host name and an ``/etc/hosts``.
 
     Attributes:
-        name: the host name (``hostname`` and ``socket.getfqdn()`` on the host).
+        name: the host's name in the cluster (unique; its namespace is named after it).
+        hostname: what ``hostname`` and ``socket.getfqdn()`` answer on the host (default: ``name``; e.g. a
+            Kubernetes pod's host name, which a rescheduled pod of an Indexed Job keeps under a new pod name).
         address: its IPv4 address (str), reachable from the other hosts of the cluster only.
         netns: the network namespace's name.
         index: its position in the cluster (0-based).
@@ -96,10 +98,11 @@ class Host:
 
     interface = "eth0"
 
-    def __init__(self, cluster: "Cluster", index: int, name: str) -> None:
+    def __init__(self, cluster: "Cluster", index: int, name: str, hostname: str | None = None) -> None:
         self.cluster = cluster
         self.index = index
         self.name = name
+        self.hostname = name if hostname is None else hostname
         self.address = f"{SUBNET}.{index + 1}"
         self.mac = f"02:72:64:7a:{index // 256:02x}:{index % 256:02x}"
         self.netns = f"{cluster.prefix}-{name}"
@@ -118,7 +121,7 @@ class Host:
         The shell sets the host name with its ``echo`` builtin (no child process) and execs the command.
         """
         return ("ip", "netns", "exec", self.netns, "unshare", "--uts", "--", "sh", "-c",
-                'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', self.name)
+                'echo "$0" > /proc/sys/kernel/hostname && exec "$@"', self.hostname)
 
     def popen(self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
               stdin: Any = subprocess.DEVNULL, stdout: Any = None, stderr: Any = None,
@@ -209,12 +212,14 @@ class Host:
 
     # -- network -------------------------------------------------------------------------------
 
-    def set_hosts(self, known: Iterable["Host"] = ()) -> None:
-        """Write this host's ``/etc/hosts``: ``localhost`` and ``ADDRESS NAME`` of each host in ``known``.
+    def set_hosts(self, known: Iterable["Host"] = (), extra: Iterable[tuple[str, str]] = ()) -> None:
+        """Write this host's ``/etc/hosts``: ``localhost``, ``ADDRESS NAME`` of each host in ``known``, then
+        each ``(address, names)`` of ``extra`` (names: one or more, separated by spaces; e.g. a service's name).
 
         Commands started afterwards see it (a running process re-reads it on its next lookup).
         """
-        lines = _HOSTS_BASE + "".join(f"{h.address}\t{h.name}\n" for h in known)
+        lines = _HOSTS_BASE + "".join(f"{h.address}\t{h.name}\n" for h in known) + \
+            "".join(f"{address}\t{names}\n" for address, names in extra)
         etc = os.path.join(ETC_NETNS, self.netns)
         os.makedirs(etc, exist_ok=True)
         with open(os.path.join(etc, "hosts"), "w") as f:  # in place: a bind mount keeps the inode
@@ -278,7 +283,8 @@ class Cluster:
     """H hosts on one private bridge (see the module docstring). Closed by :meth:`close` or ``with``.
 
     Args:
-        names: the hosts' names (lower-case letters, digits and ``-``), or a count (``host0``, ...).
+        names: the hosts' names (lower-case letters, digits and ``-``), or a count (``host0``, ...); none:
+            the hosts come later, from :meth:`add_host`.
         resolve: what each ``/etc/hosts`` lists besides ``localhost``: ``"none"`` (default: no host
             can resolve a host name), ``"self"`` (its own name) or ``"all"`` (every host).
 
@@ -293,8 +299,8 @@ class Cluster:
         require()
         names = [f"host{i}" for i in range(names)] if isinstance(names, int) else list(names)
         bad = [n for n in names if not isinstance(n, str) or not _NAME.match(n)]
-        if bad or len(set(names)) != len(names) or not 0 < len(names) <= 250:
-            raise ValueError(f"host names must be 1 to 250 distinct names of a-z, 0-9 and '-': {names!r}")
+        if bad or len(set(names)) != len(names) or len(names) > 250:
+            raise ValueError(f"host names must be at most 250 distinct names of a-z, 0-9 and '-': {names!r}")
         if resolve not in ("none", "self", "all"):
             raise ValueError(f"resolve must be 'none', 'self' or 'all', not {resolve!r}")
         with _counter_lock:
@@ -343,11 +349,20 @@ class Cluster:
     def _host(self, host: Host | str) -> Host:
         return host if isinstance(host, Host) else self[host]
 
-    def add_host(self, name: str) -> Host:
-        """A new host on the bridge (its ``/etc/hosts`` lists only ``localhost``)."""
+    def add_host(self, name: str, hostname: str | None = None) -> Host:
+        """A new host on the bridge (its ``/etc/hosts`` lists only ``localhost``) with the next address.
+
+        ``hostname``: what ``hostname`` answers there (default ``name``; names of a-z, 0-9, ``-`` and ``.``,
+        at most 63 characters), e.g. a rescheduled pod's host name, the same as an earlier host's.
+
+        Raises:
+            ValueError: a bad or repeated ``name``, or a bad ``hostname``.
+        """
         if not _NAME.match(name) or any(h.name == name for h in self.hosts):
             raise ValueError(f"bad or repeated host name {name!r}")
-        host = Host(self, len(self.hosts), name)
+        if hostname is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", hostname):
+            raise ValueError(f"bad hostname {hostname!r}")
+        host = Host(self, len(self.hosts), name, hostname)
         self.hosts.append(host)
         os.makedirs(os.path.join(ETC_NETNS, host.netns), exist_ok=True)
         with open(os.path.join(ETC_NETNS, host.netns, "resolv.conf"), "w") as f:

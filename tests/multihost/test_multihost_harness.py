@@ -64,6 +64,19 @@ def test_hosts_reach_each_other_by_address_not_by_name(pair):
         alpha.set_hosts()
 
 
+def test_a_host_added_later_with_a_host_name_of_its_own_and_extra_names(rdzv_hosts):
+    cluster = rdzv_hosts([])  # no host yet: they come from add_host
+    first = cluster.add_host("pod-a-x1", hostname="pod-a")
+    second = cluster.add_host("pod-a-x2", hostname="pod-a")  # another host, the same host name
+    assert first.address != second.address and [h.name for h in cluster] == ["pod-a-x1", "pod-a-x2"]
+    assert second.run(["hostname"]).stdout.strip() == "pod-a"
+    second.set_hosts(extra=[(first.address, "svc svc.ns.svc.cluster.local")])
+    for name in ("svc", "svc.ns.svc.cluster.local"):
+        assert second.run([sys.executable, "-c", RESOLVE, name]).stdout.strip() == first.address
+    with pytest.raises(ValueError, match="hostname"):
+        cluster.add_host("pod-b", hostname="Not_A_Name")
+
+
 def test_cut_makes_connect_time_out_not_refused_and_heal_restores_it(pair):
     alpha, beta = pair["alpha"], pair["beta"]
     with listener(beta) as server:

@@ -9,9 +9,12 @@ rewritten atomically after every step and on a signal::
 --steps N          take N steps, then exit 0 (``done`` true)
 --step-time S      seconds per step (default 0.05)
 --until PATH       instead of --steps: take steps until PATH exists (at most 300 s, then exit 1)
+--sigterm-exits    SIGTERM is recorded, then ends the worker at once (exit 143), as a script that does not
+                   catch it: its launcher's restart of the workers waits for nothing
 
 SIGUSR1 and SIGTERM are recorded in ``signals`` and do not stop the worker (as a training script that checkpoints
-at its next step and lets its launcher stop it); any other signal ends it as usual.
+at its next step and lets its launcher stop it; SIGTERM: unless ``--sigterm-exits``); any other signal ends it as
+usual.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--until", default=None)
+    p.add_argument("--sigterm-exits", action="store_true")
     args = p.parse_args()
     if (args.steps is None) == (args.until is None):
         p.error("give exactly one of --steps and --until")
@@ -55,6 +59,8 @@ def main() -> int:
     def on_signal(signum: int, frame: Any) -> None:
         state["signals"].append(signal.Signals(signum).name)
         write()
+        if signum == signal.SIGTERM and args.sigterm_exits:
+            os._exit(128 + signum)
 
     signal.signal(signal.SIGUSR1, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
