@@ -68,3 +68,11 @@ def test_topology_orders_by_labels_then_host_in_natural_order(agents) -> None:  
         agent.rdzv.host = host
     ranks = _round_in_order(group)
     assert [ranks[i] for i in range(4)] == [3, 2, 0, 1]  # node8, node9 (r9), node7, node66 (r10)
+
+
+def test_a_first_round_follows_the_allocations_node_order_not_the_join_order(agents) -> None:  # noqa: F811
+    """Nodes of one allocation on hosts of one name (``node_order``: Slurm's ``SLURM_NODEID``) joining in
+    reverse order take group ranks in the allocation's order (in join order node 2 would be rank 0)."""
+    group = [agents(1, min_nodes=3, max_nodes=3, node_order=i)[0] for i in range(3)]
+    ranks = _round_in_order(list(reversed(group)))
+    assert [ranks[2 - i] for i in range(3)] == [0, 1, 2]

@@ -1,4 +1,5 @@
-"""What a node's environment says about it: its topology labels and its run's incarnation.
+"""What a node's environment says about it: its topology labels, its place in the allocation and its run's
+incarnation.
 
 **Labels**, for ``rank_policy=topology`` (``docs/ranks.md``).
 
@@ -8,6 +9,10 @@ In order of precedence: the ``node_labels`` query key (``rdzv-run --node-labels`
 from the top level down to the leaf, then the node, ``.``-separated, e.g. ``s0.s3.node7`` with
 pattern ``switch.switch.node``): the switches become ``switch1=s0,switch2=s3`` (the node name
 is the host tie-break already).
+
+**Place in the allocation** (``docs/ranks.md``): the ``node_order`` query key, else the first of
+:data:`ORDER_SOURCES` set (Slurm's ``SLURM_NODEID``, set by ``srun`` per node of a step; a Kubernetes
+Indexed Job's ``JOB_COMPLETION_INDEX``). Newcomers to a round take group ranks in this order.
 
 **Incarnation** (``docs/design.md``, "Incarnations"): the ``incarnation`` query key, else a
 scheduler's restart counter (:data:`INCARNATION_SOURCES`: Slurm's ``SLURM_RESTART_COUNT``, set in a
@@ -23,7 +28,8 @@ from typing import Mapping
 from .errors import InvalidURLError
 from .url import parse_node_labels, to_int
 
-__all__ = ["LABELS_ENV", "environment_labels", "INCARNATION_SOURCES", "incarnation_of"]
+__all__ = ["LABELS_ENV", "environment_labels", "ORDER_SOURCES", "environment_order", "INCARNATION_SOURCES",
+           "incarnation_of"]
 
 #: The environment variable a node's labels may be given in (read by the handler, also under plain torchrun).
 LABELS_ENV = "RDZV_NODE_LABELS"
@@ -53,6 +59,40 @@ def environment_labels(environ: Mapping[str, str] | None = None) -> str:
     return text
 
 
+#: The schedulers' variables holding a node's place in its allocation, first set wins.
+ORDER_SOURCES: tuple[str, ...] = ("SLURM_NODEID", "JOB_COMPLETION_INDEX")
+
+
+def environment_order(environ: Mapping[str, str] | None = None) -> int | None:
+    """This node's place in its scheduler's allocation from the first of :data:`ORDER_SOURCES` set to a
+    non-empty value (an int >= 0), else ``None``.
+
+    Raises:
+        InvalidURLError: the variable is not an integer >= 0 (names the variable and its value).
+    """
+    found = _scheduler_int(ORDER_SOURCES, environ, "the scheduler's node index orders the first round's ranks "
+                           "(set node_order=N in the URL or --rdzv-conf to choose it)")
+    return None if found is None else found[0]
+
+
+def _scheduler_int(sources: tuple[str, ...], environ: Mapping[str, str] | None,
+                   meaning: str) -> tuple[int, str] | None:
+    """``(value, variable)`` of the first of ``sources`` set to a non-empty value (an int >= 0), else ``None``.
+
+    Raises:
+        InvalidURLError: that variable is not an integer >= 0 (names it, its value and ``meaning``).
+    """
+    env = os.environ if environ is None else environ
+    for name in sources:
+        raw = env.get(name, "")
+        if raw != "":
+            try:
+                return to_int(name, raw, 0), name
+            except InvalidURLError as exc:
+                raise InvalidURLError(name, raw, f"{exc.reason}: {meaning}") from None
+    return None
+
+
 #: The schedulers' restart counters a run's incarnation is taken from when the query has none, first set wins.
 INCARNATION_SOURCES: tuple[str, ...] = ("SLURM_RESTART_COUNT",)
 
@@ -68,14 +108,6 @@ def incarnation_of(query: Mapping[str, object], environ: Mapping[str, str] | Non
     given = query.get("incarnation")
     if isinstance(given, int) and not isinstance(given, bool):
         return given, "query"
-    env = os.environ if environ is None else environ
-    for name in INCARNATION_SOURCES:
-        raw = env.get(name, "")
-        if raw == "":
-            continue
-        try:
-            return to_int(name, raw, 0), name
-        except InvalidURLError as exc:
-            raise InvalidURLError(name, raw, f"{exc.reason}: the scheduler's restart count is this run's "
-                                  "incarnation (set incarnation=N in the URL or --rdzv-conf to choose it)") from None
-    return 0, "default"
+    found = _scheduler_int(INCARNATION_SOURCES, environ, "the scheduler's restart count is this run's "
+                           "incarnation (set incarnation=N in the URL or --rdzv-conf to choose it)")
+    return found if found is not None else (0, "default")

@@ -196,6 +196,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "reform": _reform,
     "node_rank": lambda f, v: to_int(f, v, 0),
     "node_labels": _node_labels,
+    "node_order": lambda f, v: to_int(f, v, 0),
     "incarnation": lambda f, v: to_int(f, v, 0),
 }
 

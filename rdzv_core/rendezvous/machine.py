@@ -336,7 +336,7 @@ class RoundMachine(Membership):
         alive_key = self.keys.alive(version, rid, rank)
         want = p.node_rank if p.rank_policy != "join" else None
         info = {"rank": rank, "node": self.node_id, "host": self.host, "since": round(time.time(), 3),
-                **member_fields(self.last_round, p.labels, want)}
+                **member_fields(self.last_round, p.labels, want, p.node_order)}
         self.kv.put(alive_key, encode_json(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info
         self._keepalive = self._start_keepalive(alive_key, info, f"rdzv-keepalive-{self.run_id}-v{version}")

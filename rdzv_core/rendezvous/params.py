@@ -35,6 +35,8 @@ class RendezvousParams:
                                     (``docs/ranks.md``)
     node_rank            None       the group rank this node asks for (int >= 0)
     node_labels          ""         this node's labels ``KEY=VALUE[,...]`` (topology)
+    node_order           None       this node's place in the scheduler's allocation
+                                    (int >= 0; newcomers take ranks in its order)
     reform               fast       a round after a final one: ``fast`` freezes it once
                                     nobody else is expected, ``last_call`` waits out
                                     the last call (``docs/design.md``, "Re-forming")
@@ -57,6 +59,7 @@ class RendezvousParams:
     rank_policy: str = DEFAULT_RANK_POLICY
     node_rank: int | None = None
     node_labels: str = ""
+    node_order: int | None = None
     reform: str = DEFAULT_REFORM
     incarnation: int = 0
 
@@ -69,7 +72,7 @@ class RendezvousParams:
             ConfigError: a value is out of range (names the field and value).
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
-                  "node_rank", "node_labels", "closed_run_ttl", "reform", "incarnation")
+                  "node_rank", "node_labels", "node_order", "closed_run_ttl", "reform", "incarnation")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -104,6 +107,10 @@ class RendezvousParams:
         if rank is not None and self.rank_policy == "join":
             raise ConfigError("node_rank", rank, "rank_policy=join gives ranks in join order only; a rank request "
                               "needs rank_policy=stable or topology")
+        order = self.node_order
+        if order is not None and (isinstance(order, bool) or not isinstance(order, int) or order < 0):
+            raise ConfigError("node_order", order, "must be an int >= 0 (this node's place in the scheduler's "
+                              "allocation, e.g. SLURM_NODEID)")
         inc = self.incarnation
         if isinstance(inc, bool) or not isinstance(inc, int) or inc < 0:
             raise ConfigError("incarnation", inc, "must be an int >= 0 (0: the run itself; N > 0: its N-th restart "

@@ -6,10 +6,11 @@ of their keep-alive keys) and returns each slot's group rank. Policies:
 
 * ``join``: slot order (the origin's: ranks follow join order).
 * ``stable``: the members of the latest previous round any member was in keep their relative
-  order (so rank 0 stays rank 0 while it lives); the others follow, by host name in natural
-  order, then slot.
+  order (so rank 0 stays rank 0 while it lives); the others follow, by their place in the
+  scheduler's allocation (``node_order``: Slurm's ``SLURM_NODEID``; those without one after), then
+  host name in natural order, then slot.
 * ``topology``: by the declared labels (keys in the order the members declare them, values in
-  natural order), then host name in natural order, then the ``stable`` order.
+  natural order), then allocation place, then host name in natural order, then the ``stable`` order.
 
 Rank requests (``node_rank``) then take the ranks they ask for; two asking for one rank: the
 earlier in the policy's order gets it; a request ``>= world size`` is not honoured.
@@ -57,6 +58,7 @@ class Member:
         prev: ``(version, round id, group rank)`` of the last round it was a member of, or ``None``.
         labels: ``((key, value), ...)`` in the order declared.
         want: the group rank it asks for (``node_rank``), or ``None``.
+        order: its place in the scheduler's allocation (``node_order``), or ``None``.
     """
 
     slot: int
@@ -64,6 +66,7 @@ class Member:
     prev: tuple[int, str, int] | None = None
     labels: tuple[tuple[str, str], ...] = ()
     want: int | None = None
+    order: int | None = None
 
     @classmethod
     def from_record(cls, slot: int, record: Mapping[str, Any]) -> "Member":
@@ -77,9 +80,10 @@ class Member:
         labels = record.get("labels")
         pairs = tuple((k, v) for k, v in (p for p in labels if isinstance(p, list) and len(p) == 2)
                       if isinstance(k, str) and isinstance(v, str)) if isinstance(labels, list) else ()
-        want = record.get("want")
+        want, order = record.get("want"), record.get("order")
         return cls(slot, host if isinstance(host, str) else "",
-                   None if prev is None else (prev[0], prev[1], prev[2]), pairs, want if _is_int(want) else None)
+                   None if prev is None else (prev[0], prev[1], prev[2]), pairs, want if _is_int(want) else None,
+                   order if _is_int(order) else None)
 
 
 def _is_int(value: object) -> bool:
@@ -87,9 +91,11 @@ def _is_int(value: object) -> bool:
 
 
 def member_fields(prev: tuple[int, str, int] | None, labels: Sequence[tuple[str, str]],
-                  want: int | None) -> dict[str, Any]:
+                  want: int | None, order: int | None = None) -> dict[str, Any]:
     """The fields a member adds to its keep-alive record for :meth:`Member.from_record` (absent ones left out)."""
     out: dict[str, Any] = {}
+    if order is not None:
+        out["order"] = order
     if prev is not None:
         out["prev"] = list(prev)
     if labels:
@@ -127,19 +133,27 @@ def group_ranks(policy: str, members: Sequence[Member]) -> list[int]:
     return ranks
 
 
+def _placed(m: Member) -> tuple[int, int]:
+    """Sort key of a member's allocation place: those with one first, in its order."""
+    return (0, m.order) if m.order is not None else (1, 0)
+
+
 def _stable(members: Sequence[Member]) -> list[Member]:
-    """Survivors of the latest previous round in their old order, then the others by host, slot."""
+    """Survivors of the latest previous round in their old order, then the others by allocation place,
+    host, slot."""
     rounds = [m.prev[:2] for m in members if m.prev is not None]
     latest = max(rounds) if rounds else None
     survivors = sorted((m for m in members if m.prev is not None and m.prev[:2] == latest),
                        key=lambda m: (m.prev[2] if m.prev else 0, m.slot))
     chosen = {m.slot for m in survivors}
-    others = sorted((m for m in members if m.slot not in chosen), key=lambda m: (natural_key(m.host), m.slot))
+    others = sorted((m for m in members if m.slot not in chosen),
+                    key=lambda m: (_placed(m), natural_key(m.host), m.slot))
     return survivors + others
 
 
 def _topology(stable: Sequence[Member]) -> list[Member]:
-    """``stable`` re-ordered by labels (keys in order of first declaration, by slot), then host."""
+    """``stable`` re-ordered by labels (keys in order of first declaration, by slot), then allocation place,
+    then host."""
     keys: list[str] = []
     for member in sorted(stable, key=lambda m: m.slot):
         keys.extend(k for k, _ in member.labels if k not in keys)
@@ -148,7 +162,7 @@ def _topology(stable: Sequence[Member]) -> list[Member]:
     def key(m: Member) -> tuple[Any, ...]:
         declared = dict(m.labels)  # a key declared twice: its last value
         values = tuple((0, natural_key(declared[k])) if k in declared else (1, ()) for k in keys)
-        return values, natural_key(m.host), position[m.slot]
+        return values, _placed(m), natural_key(m.host), position[m.slot]
 
     return sorted(stable, key=key)
 

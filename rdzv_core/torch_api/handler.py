@@ -40,7 +40,7 @@ from ..rendezvous import progress_keys
 from .address import Endpoint, published_address
 from ..backoff import Backoff
 from ..kv import KVBackend
-from ..labels import environment_labels, incarnation_of
+from ..labels import environment_labels, environment_order, incarnation_of
 from ..metered import MeteredKV
 from ..outage import OutageLog
 from ..plugins import parse_backend_url
@@ -191,6 +191,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         settings: dict[str, Any] = {**parsed.params, **{k: v for k, v in overrides.items() if v is not None}}
         if "node_labels" not in settings:  # RDZV_NODE_LABELS or the scheduler's: also under plain torchrun
             settings["node_labels"] = environment_labels()
+        if "node_order" not in settings:  # the allocation's node order (SLURM_NODEID), also under plain torchrun
+            settings["node_order"] = environment_order()
         # the query's incarnation, else the scheduler's restart counter (a requeued Slurm job): docs/schedulers.md
         settings["incarnation"], source = incarnation_of(settings)
         if source != "default":

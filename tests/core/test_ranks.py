@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rdzv_core import ConfigError, InvalidURLError, RendezvousParams
-from rdzv_core.labels import LABELS_ENV, environment_labels
+from rdzv_core.labels import LABELS_ENV, environment_labels, environment_order
 from rdzv_core.plugins import parse_backend_url
 from rdzv_core.rendezvous.ranks import Member, group_ranks, natural_key
 
@@ -31,7 +31,7 @@ def _reslotted(members: list[Member], rng: random.Random) -> list[Member]:
     """The same members in another join order (new slots)."""
     slots = list(range(len(members)))
     rng.shuffle(slots)
-    return [Member(s, m.host, m.prev, m.labels, m.want) for s, m in zip(slots, members, strict=True)]
+    return [Member(s, m.host, m.prev, m.labels, m.want, m.order) for s, m in zip(slots, members, strict=True)]
 
 
 def test_natural_order_of_host_names() -> None:
@@ -118,6 +118,17 @@ def test_topology_keeps_the_stable_order_on_one_host() -> None:
     assert group_ranks("topology", members) == [2, 1, 0]
 
 
+def test_newcomers_follow_the_schedulers_node_order_before_host_names() -> None:
+    """Nodes of one allocation (Slurm's SLURM_NODEID) take ranks in its order whatever their join order and
+    names; survivors still keep theirs; nodes without a position follow by host name."""
+    first = [Member(0, "h", order=2), Member(1, "h", order=0), Member(2, "h", order=1)]
+    assert group_ranks("stable", first) == [2, 0, 1]
+    assert group_ranks("topology", first) == [2, 0, 1]
+    assert group_ranks("join", first) == [0, 1, 2]
+    named = [Member(0, "n1", order=1), Member(1, "n9", order=0), Member(2, "n0"), Member(3, "n5", (*PREV, 0), order=3)]
+    assert _ranks_by_host("stable", named) == {"n5": 0, "n9": 1, "n1": 2, "n0": 3}
+
+
 def test_rank_requests_win_where_they_do_not_conflict() -> None:
     """Requests are placed first; two for one rank: the member earlier in the policy's order gets it (here the
     survivor of old rank 0); a request >= the world size is not honoured; the others keep the policy's order."""
@@ -129,10 +140,10 @@ def test_rank_requests_win_where_they_do_not_conflict() -> None:
 
 def test_a_malformed_record_counts_as_undeclared() -> None:
     m = Member.from_record(3, {"host": 5, "prev": [1, "x"], "labels": [["rack"], ["a", 1], ["k", "v"]],
-                               "want": True})
-    assert m == Member(3, "", None, (("k", "v"),), None)
-    assert Member.from_record(0, {"host": "h", "prev": [2, "id", 1], "want": 0}) == Member(0, "h", (2, "id", 1),
-                                                                                         (), 0)
+                               "want": True, "order": -1})
+    assert m == Member(3, "", None, (("k", "v"),), None, None)
+    assert Member.from_record(0, {"host": "h", "prev": [2, "id", 1], "want": 0, "order": 4}) == \
+        Member(0, "h", (2, "id", 1), (), 0, 4)
 
 
 @pytest.mark.parametrize("query, field", [
@@ -142,6 +153,7 @@ def test_a_malformed_record_counts_as_undeclared() -> None:
     ("node_labels=rack", "node_labels"),
     ("node_labels=rack=r1,rack=r2", "node_labels"),
     ("node_labels=rack=r 1", "node_labels"),
+    ("node_order=first", "node_order"),
 ])
 def test_bad_rank_query_values_name_the_key_and_value(query: str, field: str) -> None:
     with pytest.raises(InvalidURLError) as info:
@@ -151,10 +163,11 @@ def test_bad_rank_query_values_name_the_key_and_value(query: str, field: str) ->
 
 
 def test_rank_query_keys_reach_the_parameters() -> None:
-    _, url = parse_backend_url("memory://k/job?rank_policy=topology&node_rank=2&node_labels=rack=r1,switch=s3")
+    _, url = parse_backend_url("memory://k/job?rank_policy=topology&node_rank=2&node_labels=rack=r1,switch=s3"
+                               "&node_order=5")
     params = RendezvousParams.from_query(url.params)
-    assert (params.rank_policy, params.node_rank, params.labels) == ("topology", 2, (("rack", "r1"),
-                                                                                     ("switch", "s3")))
+    assert (params.rank_policy, params.node_rank, params.labels, params.node_order) == (
+        "topology", 2, (("rack", "r1"), ("switch", "s3")), 5)
     assert RendezvousParams(min_nodes=1).rank_policy == "stable"
     with pytest.raises(ConfigError, match="rank_policy=join") as info:
         RendezvousParams(min_nodes=1, rank_policy="join", node_rank=0)
@@ -194,3 +207,12 @@ def test_group_ranks_are_stored_once_and_a_corrupt_copy_is_a_state_error() -> No
         load_rank(kv, keys, 3, "id", 0, 2)
     assert info.value.key == keys.ranks(3, "id")
     kv.close()
+
+
+def test_node_order_from_the_schedulers_environment() -> None:
+    assert environment_order({"SLURM_NODEID": "2", "JOB_COMPLETION_INDEX": "5"}) == 2
+    assert environment_order({"JOB_COMPLETION_INDEX": "5"}) == 5  # a Kubernetes Indexed Job's pod
+    assert environment_order({}) is None
+    with pytest.raises(InvalidURLError) as info:
+        environment_order({"SLURM_NODEID": "n1"})
+    assert (info.value.field, info.value.value) == ("SLURM_NODEID", "n1")

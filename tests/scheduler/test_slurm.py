@@ -85,6 +85,8 @@ def test_a_requeued_job_trains_again_and_two_jobs_never_share_a_run(slurm, tmp_p
         recs = _records(out, job, 0)
         assert [r["world_size"] for r in recs] == [NODES] * NODES and {r["run_id"] for r in recs} == {str(job)}
         assert all(r["done"] and r["steps"] == 20 for r in recs)
+        # ranks in the allocation's node order, whichever launcher joined first
+        assert [(r["rank"], r["node_id"]) for r in recs] == [(i, str(i)) for i in range(NODES)], recs
 
     assert slurm.run(["scontrol", "requeue", str(first)]).returncode == 0
     # Slurm holds a requeued job (its BeginTime: 120 s here); release it now, as an operator would
@@ -96,6 +98,7 @@ def test_a_requeued_job_trains_again_and_two_jobs_never_share_a_run(slurm, tmp_p
     again = _records(out, first, 1)  # written by the requeued job (SLURM_RESTART_COUNT=1)
     assert [r["restart_count"] for r in again] == [1] * NODES
     assert [r["world_size"] for r in again] == [NODES] * NODES and all(r["steps"] == 20 for r in again)
+    assert [(r["rank"], r["node_id"]) for r in again] == [(i, str(i)) for i in range(NODES)], again
     assert run_is_closed(_url(rdzv_server_redis, first, 1))
 
 

@@ -4,7 +4,8 @@ Writes ``OUT/<SLURM_JOB_ID>-<restart count>-<RANK>.json`` (restart count: ``SLUR
 rewritten atomically after every step and on a signal::
 
     {"rank": int, "world_size": int, "run_id": TORCHELASTIC_RUN_ID, "job_id": SLURM_JOB_ID,
-     "restart_count": int, "steps": int, "signals": ["SIGUSR1", ...], "done": bool, "pid": int}
+     "restart_count": int, "steps": int, "signals": ["SIGUSR1", ...], "done": bool, "pid": int,
+     "node_id": SLURM_NODEID}
 
 --steps N          take N steps, then exit 0 (``done`` true)
 --step-time S      seconds per step (default 0.05)
@@ -47,7 +48,7 @@ def main() -> int:
     state: dict[str, Any] = {
         "rank": int(rank), "world_size": int(os.environ["WORLD_SIZE"]), "run_id": os.environ["TORCHELASTIC_RUN_ID"],
         "job_id": os.environ.get("SLURM_JOB_ID"), "restart_count": restart, "steps": 0, "signals": [],
-        "done": False, "pid": os.getpid(),
+        "done": False, "pid": os.getpid(), "node_id": os.environ.get("SLURM_NODEID"),
     }
 
     def write() -> None:
