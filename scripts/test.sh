@@ -64,17 +64,17 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
   rc=$?
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
-  # scenarios (real launchers and workers) and the benchmarks' smoke runs run in a second pytest next to the
-  # main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
+  # scenarios (real launchers and workers), the Slurm jobs (marker scheduler) and the benchmarks' smoke runs run in
+  # a second pytest next to the main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!
   # The main run: 2 workers (at -n 4 --dist loadgroup, with two of them on launcher tests, the machine ran at a
   # load of 8 beside the second run and timing tests failed: docs/testing.md, "Suite time").
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark"
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark and not scheduler"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host, membership and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark'), exit $mh_rc"
+  echo "== multi-host, membership, scheduler and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"
   cat "$mh_log"; rm -f "$mh_log"
   if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
     [ "$mh_rc" -ne 0 ] && rc=$mh_rc
