@@ -13,6 +13,8 @@ is this checkout, so ``examples/train_digits.py`` is the real script.
 * a pod deleted (every process on its host killed) and created again with a new address -- an Indexed Job's
   under a new pod name, a PyTorchJob's under its name: the run re-forms with it at world size 3 and the job
   completes;
+* a pod deleted gracefully (SIGTERM, SIGKILL after its grace period): its launcher ends by itself and leaves the
+  run open, the two others train on at world size 2, and its replacement rejoins them;
 * the PyTorchJob started with minReplicas (2) workers trains at world size 2; a third worker (the job scaled to
   maxReplicas) joins and the world grows to 3.
 
@@ -53,6 +55,7 @@ class Site:
     def __init__(self, pods: PodCluster, objects: list[dict], workdir: str) -> None:
         self.pods = pods
         self.out = os.path.join(workdir, "records")
+        self.started: list[RunningPod] = []  # the pods of start(), in order
         self.stop = os.path.join(workdir, "stop")
         self.env = {"TMPDIR": os.path.join(workdir, "tmp")}  # train_digits.py's checkpoint: this test's
         os.makedirs(self.env["TMPDIR"])
@@ -65,26 +68,39 @@ class Site:
         eventually(lambda: _listening(server, port["port"]), SERVE, "redis-server listening", server.tail)
 
     def start(self, obj: dict, index: int, real: bool = False, **kwargs) -> RunningPod:
-        """Start pod ``index`` of ``obj``; unless ``real``, with the step worker in the script's place."""
-        worker = {} if real else {SCRIPT: [STEP_WORKER, "--out", self.out, "--until", self.stop, "--sigterm-exits"]}
-        return self.pods.start(obj, index, replace_args=worker, env=self.env, **kwargs)
+        """Start pod ``index`` of ``obj``; unless ``real``, with the step worker in the script's place (its
+        records in a directory of this pod's own: :meth:`records_of`)."""
+        worker = {} if real else {SCRIPT: [STEP_WORKER, "--out", os.path.join(self.out, str(len(self.started))),
+                                           "--until", self.stop, "--sigterm-exits"]}
+        pod = self.pods.start(obj, index, replace_args=worker, env=self.env, **kwargs)
+        self.started.append(pod)
+        return pod
+
+    def records_of(self, pod: RunningPod) -> list[dict]:
+        """The records of ``pod``'s step workers (one per rank it ran), each with its file's ``mtime``."""
+        out = os.path.join(self.out, str(self.started.index(pod)))
+        found = []
+        for entry in os.listdir(out) if os.path.isdir(out) else []:
+            if entry.endswith(".json"):
+                path = os.path.join(out, entry)
+                with open(path) as f:
+                    found.append({**json.load(f), "mtime": os.stat(path).st_mtime})
+        return found
 
     def records(self) -> dict[int, dict]:
-        """The step worker's last record per rank."""
-        found = {}
-        for entry in os.listdir(self.out) if os.path.isdir(self.out) else []:
-            if entry.endswith(".json"):
-                with open(os.path.join(self.out, entry)) as f:
-                    record = json.load(f)
-                found[record["rank"]] = record
+        """The newest record per rank of every pod's step workers."""
+        found: dict[int, dict] = {}
+        for pod in self.started:
+            for record in self.records_of(pod):
+                if record["rank"] not in found or record["mtime"] > found[record["rank"]]["mtime"]:
+                    found[record["rank"]] = record
         return found
 
     def training_on(self, running: list[RunningPod], world: int) -> bool:
         """Whether ranks 0..world-1 each made a step at world size ``world``, one worker on each pod of
         ``running`` (its pid among the processes of that pod's host)."""
-        records = self.records()
-        if sorted(records) != list(range(world)) or any(
-                r["world_size"] != world or r["steps"] < 1 for r in records.values()):
+        records = {rank: r for rank, r in self.records().items() if r["world_size"] == world}
+        if sorted(records) != list(range(world)) or any(r["steps"] < 1 for r in records.values()):
             return False
         hosts = sorted(p.host.name for p in running for r in records.values() if r["pid"] in p.host.processes())
         return hosts == sorted(p.host.name for p in running)
@@ -169,6 +185,31 @@ def test_a_deleted_pod_created_again_with_a_new_address_rejoins_and_the_job_comp
     assert replacement.host.run(["hostname"]).stdout.strip() == lost.pod.hostname
     now = [pods[0], replacement, pods[2]]
     eventually(lambda: here.training_on(now, 3), FORM, "the run re-formed with the new pod at world size 3",
+               lambda: here.tails(now))
+    here.finish(now)
+
+
+def test_a_pod_deleted_gracefully_leaves_the_run_open_the_others_re_form_and_its_replacement_rejoins(site) -> None:
+    """The kubelet's graceful deletion (SIGTERM to the container's command, SIGKILL after the pod's
+    ``terminationGracePeriodSeconds``) of one of a PyTorchJob's three workers: its launcher passes SIGTERM to
+    its worker and exits by itself within the grace period (143: ended by SIGTERM) without closing the run;
+    the two others (``minReplicas``) train on at world size 2; the controller's replacement joins them (the run
+    is still open) and the three finish."""
+    here = site(PYTORCHJOB)
+    job = find(PYTORCHJOB, "PyTorchJob")
+    pods = [here.start(job, i) for i in range(3)]
+    eventually(lambda: here.training_on(pods, 3), FORM, "three pods training at world size 3",
+               lambda: here.tails(pods))
+    lost, survivors = pods[1], [pods[0], pods[2]]
+    here.pods.delete(lost, grace=lost.pod.termination_grace)
+    assert lost.proc.returncode == 143, f"the launcher did not end by itself on SIGTERM\n{lost.tail()}"
+    (seen,) = here.records_of(lost)  # its one worker's
+    assert seen["signals"] == ["SIGTERM"] and not seen["done"], seen
+    eventually(lambda: here.training_on(survivors, 2), FORM, "the two others training at world size 2",
+               lambda: here.tails(survivors))
+    replacement = here.start(job, 1)
+    now = [pods[0], replacement, pods[2]]
+    eventually(lambda: here.training_on(now, 3), FORM, "the replacement pod training with them at world size 3",
                lambda: here.tails(now))
     here.finish(now)
 

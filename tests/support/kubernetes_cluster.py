@@ -13,8 +13,9 @@ cluster, through every host's ``/etc/hosts``, rewritten whenever a pod starts or
   PyTorchJob worker (``JOB-worker-I`` -> its address); ``HOSTNAME.SUBDOMAIN`` of each live pod whose spec has
   a ``subdomain`` (a headless Service's records).
 
-:meth:`PodCluster.delete` is the pod's deletion: every process on its host is killed (SIGKILL: the kubelet's
-grace period is not modelled) and its names leave DNS. A pod created again (a controller's replacement) is a
+:meth:`PodCluster.delete` is the pod's deletion: every process on its host is killed (SIGKILL), or, with a grace
+period, as the kubelet deletes a pod gracefully (SIGTERM to the container's main process, SIGKILL to what is left
+after the pod's ``terminationGracePeriodSeconds``); its names leave DNS. A pod created again (a controller's replacement) is a
 new host with a new address and the old one's host name: named like the new pod (an Indexed Job's, with a new
 ``suffix``), or ``POD-N`` for its N-th re-creation where the controller reuses the pod's name (a PyTorchJob's).
 """
@@ -22,6 +23,8 @@ new host with a new address and the old one's host name: named like the new pod 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -49,8 +52,6 @@ class RunningPod:
 
     def wait(self, timeout: float) -> int:
         """The pod's exit status; ``AssertionError`` with its output's tail when not done in ``timeout`` s."""
-        import subprocess
-
         try:
             return int(self.proc.wait(timeout))
         except subprocess.TimeoutExpired:
@@ -134,8 +135,20 @@ class PodCluster:
         self.services[name] = pod
         self.publish()
 
-    def delete(self, pod: RunningPod) -> None:
-        """Delete ``pod``: kill every process on its host, take its names out of DNS."""
+    def delete(self, pod: RunningPod, grace: float | None = None) -> None:
+        """Delete ``pod`` and take its names out of DNS.
+
+        ``grace`` None: every process on its host gets SIGKILL at once (a lost node, an eviction without
+        grace). Otherwise the kubelet's graceful deletion: SIGTERM to the container's main process only (the
+        container's PID 1, here the pod's command), then, after ``grace`` seconds (the pod's
+        ``terminationGracePeriodSeconds``) or once it has exited, SIGKILL to whatever is left on the host.
+        """
+        if grace is not None:
+            pod.proc.send_signal(signal.SIGTERM)
+            try:
+                pod.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
         pod.host.kill()
         pod.proc.wait(10)
         self.pods.remove(pod)

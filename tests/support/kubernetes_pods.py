@@ -65,6 +65,8 @@ class Pod:
         env: the container's environment (name -> value) from the pod spec, the controller and the kubelet.
         working_dir: the container's ``workingDir`` (a path in its image), or ``None``.
         labels, annotations: the pod's metadata (name -> value).
+        termination_grace: seconds between the kubelet's SIGTERM and its SIGKILL when the pod is deleted
+            (``terminationGracePeriodSeconds``, Kubernetes' default 30).
     """
 
     name: str
@@ -74,6 +76,7 @@ class Pod:
     working_dir: str | None
     labels: dict[str, str] = field(default_factory=dict)
     annotations: dict[str, str] = field(default_factory=dict)
+    termination_grace: float = 30.0
 
 
 def load(path: str) -> list[dict[str, Any]]:
@@ -254,4 +257,5 @@ def pod_of(obj: Mapping[str, Any], index: int, *, pod_ip: str, namespace: str = 
     for key, value in added:
         env[key] = value
     argv = [expand(str(a), env) for a in [*container["command"], *container.get("args", [])]]
-    return Pod(pod_name, hostname, argv, env, container.get("workingDir"), labels, annotations)
+    grace = float(template["spec"].get("terminationGracePeriodSeconds", 30))
+    return Pod(pod_name, hostname, argv, env, container.get("workingDir"), labels, annotations, grace)
