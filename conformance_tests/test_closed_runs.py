@@ -12,8 +12,9 @@ import uuid
 from typing import Callable
 
 import pytest
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
-from rdzv_core import KVBackend
+from rdzv_core import KVBackend, create_handler
 
 from .jobs import job_url, run_job
 
@@ -62,3 +63,29 @@ def test_closed_run_ttl_none_keeps_the_run(rdzv_base_url: str, kv_factory: Calla
         assert kv.ttl_remaining(closed) is None
     except NotImplementedError:  # the backend cannot tell a TTL: the key is still there after the job
         pass
+
+
+def test_a_job_refused_by_a_closed_run_leaves_the_run_as_it_was(rdzv_base_url: str,
+                                                                 kv_factory: Callable[[], KVBackend]) -> None:
+    """A job started again under a closed run's id is refused and, ending as launchers do (``shutdown()``), writes
+    nothing: every key of the closed run keeps its value, and the closed run's expiry does not move."""
+    kv = kv_factory()
+    prefix = f"closed-runs/t{uuid.uuid4().hex}"
+    url = _job_url(rdzv_base_url, prefix, "done", closed_run_ttl="600")
+    _run_job(url)
+    closed = f"{prefix}/run_done/state/closed"
+    before = {e.key: e.value for e in kv.list(prefix + "/")[0]}
+    try:
+        expiry_before = time.monotonic() + (kv.ttl_remaining(closed) or 0.0)
+    except NotImplementedError:  # the backend cannot tell a TTL: the values and keys below still must not change
+        expiry_before = None
+    assert closed in before
+    for _ in range(2):  # a retried job, twice
+        late = create_handler(url, local_addr="127.0.0.1")
+        with pytest.raises(RendezvousClosedError):
+            late.next_rendezvous()
+        late.shutdown()
+    assert {e.key: e.value for e in kv.list(prefix + "/")[0]} == before
+    if expiry_before is not None:
+        remaining = kv.ttl_remaining(closed)
+        assert remaining is not None and time.monotonic() + remaining <= expiry_before + 1.0, (remaining, expiry_before)

@@ -88,3 +88,16 @@ def test_incarnation_zero_is_the_run_itself(rdzv_base_url: str, prefix: str,
     assert _job(_url(rdzv_base_url, prefix, "job", incarnation="0")) == 1
     assert kv.get(f"{prefix}/run_job/state/closed") is not None  # the keys every earlier version used
     assert _closed(_url(rdzv_base_url, prefix, "job"))
+
+
+def test_a_closed_runs_error_names_an_incarnation_not_used_yet(rdzv_base_url: str, prefix: str) -> None:
+    for n in (0, 1):
+        assert _job(_url(rdzv_base_url, prefix, "job", incarnation=str(n))) == 1
+    late = create_handler(_url(rdzv_base_url, prefix, "job"), local_addr="127.0.0.1")
+    try:
+        with pytest.raises(RendezvousClosedError) as refused:
+            late.next_rendezvous()
+    finally:
+        late.release()
+    assert str(refused.value).endswith("incarnation=2")  # 1 is closed too
+    assert _job(_url(rdzv_base_url, prefix, "job", incarnation="2")) == 1

@@ -22,6 +22,7 @@ Errors are one line on stderr saying what to do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -42,7 +43,7 @@ from rdzv_core.errors import (
 from rdzv_core.kv import KVBackend, parse_counter
 from rdzv_core.labels import incarnation_of
 from rdzv_core.plugins import list_backends, parse_backend_url
-from rdzv_core.rendezvous import Rendezvous, RendezvousParams, Status, progress_keys
+from rdzv_core.rendezvous import Rendezvous, RendezvousParams, RunKeys, Status, progress_keys
 
 from . import progress_view, runs_view
 from .self_check import cmd_check
@@ -59,19 +60,38 @@ EXIT_CODES = {0: "healthy / done", 1: "unhealthy (degraded, corrupt, absent) or 
 #: or a mistyped URL or run id).
 VERDICT_EXIT = {"healthy": 0, "degraded": 1, "corrupt": 1, "absent": 1, "unreachable": 3}
 
-def _open(url: str) -> tuple[KVBackend, Rendezvous]:
+#: How many incarnations after the last one with state ``rdzv status`` looks at for a later one (a requeued job's).
+LATEST_PROBES = 8
+
+
+def _open(url: str, latest: bool = False) -> tuple[KVBackend, Rendezvous]:
     """The backend and the run of ``url``: its incarnation is the URL's ``incarnation``, else the scheduler's
-    restart counter in this environment (as a node's: :func:`rdzv_core.labels.incarnation_of`), else 0.
+    restart counter in this environment (as a node's: :func:`rdzv_core.labels.incarnation_of`), else 0 -- or,
+    with ``latest``, the latest incarnation with state (a job requeued N times runs in incarnation N): counting up
+    from 0 while the next one, or one of the :data:`LATEST_PROBES` after it, has state.
 
     Raises:
         InvalidURLError, UnknownBackendError, ConfigError: a bad URL, or a bad ``SLURM_RESTART_COUNT``.
         BackendUnavailableError: the backend cannot be reached.
     """
     info, parsed = parse_backend_url(url)
-    incarnation, _ = incarnation_of(parsed.params)
+    incarnation, source = incarnation_of(parsed.params)
     # the URL's keep_alive_ttl dates keep-alive refreshes
     params = RendezvousParams.from_query({**parsed.params, "incarnation": incarnation})
     kv = info.spec.open(parsed)
+    if latest and source == "default":
+        try:
+            probe, misses = 1, 0
+            while misses < LATEST_PROBES:
+                if kv.list(RunKeys(params.prefix, parsed.run_id, probe).state_dir)[0]:
+                    incarnation, misses = probe, 0
+                else:
+                    misses += 1
+                probe += 1
+        except BaseException:
+            kv.close()
+            raise
+        params = dataclasses.replace(params, incarnation=incarnation)
     return kv, Rendezvous(kv, parsed.run_id, params)
 
 
@@ -120,6 +140,9 @@ RESET_HINT = "to start the run afresh: rdzv reset <the same URL>"
 def cmd_status(args: argparse.Namespace) -> int:
     """Show the run's round record, members and version counter, and a verdict (:data:`VERDICT_EXIT`).
 
+    The run's incarnation: the URL's, else the scheduler's restart counter here, else the latest one with state
+    (:func:`_open`), so that a probe outside a requeued job follows the job.
+
     ``corrupt`` (with a one-line hint to ``rdzv reset``) when the counter
     ``ROOT/counter/version`` is corrupt (not ASCII decimal) or lower than the round
     record's version (the next round would then reuse the keys of an old one), or the
@@ -145,7 +168,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _status_once(args: argparse.Namespace, clear: bool = False) -> int:
     """One view of ``rdzv status`` (see :func:`cmd_status`); returns its exit code."""
     try:
-        kv, rdzv = _open(args.url)
+        kv, rdzv = _open(args.url, latest=True)
         with kv:
             state = rdzv.describe()
             state["counter"], shown, problem = _version_counter(kv, rdzv, state)

@@ -30,7 +30,6 @@ from ..errors import (
     CompareFailedError,
     KeyExistsError,
     KeyNotFoundError,
-    RendezvousClosedError,
     RendezvousGracefulExitError,
     RendezvousStateError,
 )
@@ -44,22 +43,12 @@ from .ranks import load_rank, member_fields, store_ranks
 from .record import RoundRecord, RunKeys, Status, encode_json, missing_ranks
 from .steps import DeadlinePassedError, Held, Retry, Stall, Step, next_step
 
-__all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY", "closed_message"]
+__all__ = ["RoundMachine", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
 
 #: seconds: the shortest window over which nodes that find no round stagger their setup (see ``_setup``).
 SETUP_STAGGER = 0.05
 #: Seconds between two INFO lines of a node waiting as a spare.
 SPARE_LOG_EVERY = 60.0
-
-
-def closed_message(run_id: str, incarnation: int) -> str:
-    """The one-line message of a closed run, with the ways out: a new run id, ``rdzv reset URL`` (with the
-    incarnation's query key when it is not 0) or the next incarnation."""
-    which = f" (incarnation {incarnation})" if incarnation else ""
-    reset = "'rdzv reset URL'" + (f" (with incarnation={incarnation} in the URL)" if incarnation else "")
-    return (f"run {run_id}{which} is closed: its job ended and a closed run forms no new rounds; start the job with "
-            f"a new run id, delete this run's state with {reset} to use the id again, or (a job restarted by a "
-            f"scheduler) give it the next incarnation: incarnation={incarnation + 1}")
 
 
 class RoundMachine(Membership):
@@ -113,6 +102,9 @@ class RoundMachine(Membership):
         # The round this node took a ticket in during the current next_round(); kept across a
         # BackendUnavailableError (the retry resumes it), dropped on a Retry and when next_round ends.
         self._held: Held | None = None
+        # Whether this node may have written into the run (it took its place in a next_round): set_closed
+        # leaves a run that was closed before that as it is.
+        self._wrote = False
 
     @property
     def incarnation(self) -> int:
@@ -140,7 +132,7 @@ class RoundMachine(Membership):
         if step is Step.CLOSED:
             if self._spare_since is not None:
                 raise RendezvousGracefulExitError(f"run {self.run_id} closed while this node waited as a spare")
-            raise RendezvousClosedError(closed_message(self.run_id, self.keys.incarnation))
+            raise self.closed_error()
         self._spare_since = None
         if step is Step.JOIN:
             return self._join(record.version, record.id, deadline)

@@ -87,7 +87,10 @@ class Rendezvous(RoundMachine):
                     if recorded and config is not None:
                         self._log(logging.INFO, "recorded the run's configuration: %s",
                                   ", ".join(f"{k}={shown(v)}" for k, v in config.as_dict().items()))
+                    if config is None and self.kv.get(self.keys.closed) is not None:
+                        raise self.closed_error()  # before this node writes anything into the closed run
                 if not arrived:
+                    self._wrote = True  # from here on this node may leave keys in the run (set_closed)
                     self._admission.arrive(self.last_round)
                     arrived = True
                 result = self._attempt(deadline)
@@ -212,11 +215,17 @@ class Rendezvous(RoundMachine):
         seconds; every other key of the run (``RunKeys.tree``: round records, tickets, keep-alive and extra
         data, the rounds' Stores) gets the same TTL (``KVBackend.expire_tree``), so a shared server stays
         bounded. Once the mark has expired the run is absent: a new job with the run id starts afresh.
-        ``closed_run_ttl`` ``None``: the mark and the keys are kept until deleted (``rdzv reset``).
+        ``closed_run_ttl`` ``None``: the mark and the keys are kept until deleted (``rdzv reset``). A run
+        closed before this node wrote anything into it is left as it is (its expiry does not move).
 
         Raises:
             BackendUnavailableError: from the backend (the run may be marked closed or not).
         """
+        if not self._wrote and self.kv.get(self.keys.closed) is not None:
+            # closed before this node wrote anything into it (a job started again under a closed run's id):
+            # closing it again would move the closed run's expiry on, at every such attempt
+            self._log(logging.INFO, "run closed already; its keys keep their expiry")
+            return
         ttl = self.params.closed_run_ttl
         self.kv.put(self.keys.closed, encode_json({"closed": round(time.time(), 3)}), ttl=ttl)
         if ttl is not None:

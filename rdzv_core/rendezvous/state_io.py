@@ -6,20 +6,44 @@ from one status to the next, compare-and-delete it, the counters, and the run-ta
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
 
-from ..errors import CompareFailedError, CorruptEntryError, KeyExistsError, KeyNotFoundError, RendezvousStateError
+from ..errors import (
+    CompareFailedError,
+    CorruptEntryError,
+    KeyExistsError,
+    KeyNotFoundError,
+    RendezvousClosedError,
+    RendezvousStateError,
+)
 from ..kv import Entry, KVBackend
 from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import DeadlinePassedError
 
-__all__ = ["RoundIO", "delete_round_record", "restore_round", "round_ended", "log"]
+__all__ = ["RoundIO", "closed_message", "delete_round_record", "restore_round", "round_ended", "log"]
 
 #: The rendezvous' logger (one name for the whole package).
 log = logging.getLogger("rdzv_core.rendezvous")
+
+
+def closed_message(run_id: str, incarnation: int, next_free: int | None = None) -> str:
+    """The one-line message of a closed run, with the ways out: a new run id, ``rdzv reset URL`` (with the
+    incarnation's query key when it is not 0) or a later incarnation: ``next_free`` (the first one with no state),
+    else the next."""
+    which = f" (incarnation {incarnation})" if incarnation else ""
+    reset = "'rdzv reset URL'" + (f" (with incarnation={incarnation} in the URL)" if incarnation else "")
+    later = incarnation + 1 if next_free is None else next_free
+    return (f"run {run_id}{which} is closed: its job ended and a closed run forms no new rounds; start the job with "
+            f"a new run id, delete this run's state with {reset} to use the id again, or (a job restarted by a "
+            f"scheduler) give it an incarnation not used yet: incarnation={later}")
+
+
+#: Later incarnations a closed run's error looks at for one not used yet (a read of a small directory each).
+FREE_INCARNATION_PROBES = 8
 
 
 def delete_round_record(kv: KVBackend, keys: RunKeys, revision: int) -> bool:
@@ -140,6 +164,21 @@ class RoundIO:
     keys: RunKeys
     run_id: str
     current: RoundResult | None
+
+    def closed_error(self) -> RendezvousClosedError:
+        """The error for this run being closed; its way out names the first later incarnation with no state
+        (of :data:`FREE_INCARNATION_PROBES`; else the one after them).
+
+        Raises:
+            BackendUnavailableError, BackendClosedError: from ``kv``.
+        """
+        first = self.keys.incarnation + 1
+        free = first + FREE_INCARNATION_PROBES
+        for incarnation in range(first, first + FREE_INCARNATION_PROBES):
+            if not self.kv.list(dataclasses.replace(self.keys, incarnation=incarnation).state_dir)[0]:
+                free = incarnation
+                break
+        return RendezvousClosedError(closed_message(self.run_id, self.keys.incarnation, free))
 
     def _read_state(self) -> tuple[Entry | None, RoundRecord | None]:
         """One read of ``ROOT/state/``: the round record, or ``RoundRecord(Status.CLOSED)`` for a closed run.

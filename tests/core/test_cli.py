@@ -268,3 +268,32 @@ def test_runs_lists_open_and_closed_runs_with_age(tmp_path) -> None:
     assert _rdzv("runs", f"file://{tmp_path}/?prefix=elsewhere", "--json").stdout.strip() == "[]"
     member.leave()
     kv.close()
+
+
+def test_status_follows_a_requeued_job_to_its_latest_incarnation(tmp_path, monkeypatch) -> None:
+    """Incarnations 0 and 1 ended (0 closed, 1 stopped: its member gone), 2 trains: ``rdzv status`` of the run's
+    URL, outside the job, shows 2 and is healthy; the URL's incarnation, or the job's restart counter, choose."""
+    monkeypatch.delenv("SLURM_RESTART_COUNT", raising=False)
+    base = f"file://{tmp_path}/"
+    kv = open_backend(base)
+
+    def member(incarnation: int) -> Rendezvous:
+        node = Rendezvous(kv, "job", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1,
+                                                      incarnation=incarnation))
+        node.next_round()
+        return node
+
+    first = member(0)
+    first.set_closed()
+    first.leave()
+    member(1).leave()  # stopped, never closed: its round has no live member
+    live = member(2)
+    status = _rdzv("status", base + "job", "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    shown = json.loads(status.stdout)
+    assert (shown["incarnation"], shown["verdict"], [m["rank"] for m in shown["alive"]]) == (2, "healthy", [0])
+    assert json.loads(_rdzv("status", base + "job?incarnation=1", "--json").stdout)["verdict"] == "degraded"
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")  # inside the first start's job: its own incarnation
+    assert json.loads(_rdzv("status", base + "job", "--json").stdout)["incarnation"] == 0
+    live.leave()
+    kv.close()

@@ -13,7 +13,7 @@ from rdzv_admin.cli import main as rdzv_main
 from rdzv_core import InvalidURLError, create_handler, parse_backend_url
 from rdzv_core.labels import incarnation_of
 from rdzv_core.rendezvous import RendezvousParams, RunKeys
-from rdzv_core.rendezvous.machine import closed_message
+from rdzv_core.rendezvous.state_io import closed_message
 from rdzv_core.rendezvous.record import parse_run_segment, run_segment
 from rdzv_core.url import validate_run_id
 

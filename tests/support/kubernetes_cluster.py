@@ -15,9 +15,10 @@ cluster, through every host's ``/etc/hosts``, rewritten whenever a pod starts or
 
 :meth:`PodCluster.delete` is the pod's deletion: every process on its host is killed (SIGKILL), or, with a grace
 period, as the kubelet deletes a pod gracefully (SIGTERM to the container's main process, SIGKILL to what is left
-after the pod's ``terminationGracePeriodSeconds``); its names leave DNS. A pod created again (a controller's replacement) is a
-new host with a new address and the old one's host name: named like the new pod (an Indexed Job's, with a new
-``suffix``), or ``POD-N`` for its N-th re-creation where the controller reuses the pod's name (a PyTorchJob's).
+after the pod's ``terminationGracePeriodSeconds``); its names leave DNS. A pod created again (a controller's
+replacement) is a new host with a new address and the old one's host name: named like the new pod (an Indexed
+Job's, with a new ``suffix``), or ``POD-N`` for its N-th re-creation where the controller reuses the pod's name
+(a PyTorchJob's).
 """
 
 from __future__ import annotations
