@@ -25,7 +25,9 @@ __all__ = ["list_runs", "render"]
 def list_runs(kv: KVBackend, params: RendezvousParams, now: float | None = None) -> list[dict[str, Any]]:
     """The runs under ``params.prefix``, sorted by run id and incarnation: ``{"run_id", "incarnation", "state",
     "version", "members", "age"}``
-    (``age`` in seconds or ``None``; ``state`` ``corrupt`` with ``"error"`` when the run's state cannot be read).
+    (``age`` in seconds or ``None``; ``state`` the round record's status, ``stopped`` for a final round without a
+    live member (a job stopped by a signal or lost), ``corrupt`` with ``"error"`` when the run's state cannot be
+    read).
 
     Raises:
         BackendUnavailableError: from ``kv``.
@@ -53,6 +55,8 @@ def _row(kv: KVBackend, rdzv: Rendezvous, now: float) -> dict[str, Any]:
         return row
     members = [m for m in state.get("alive", []) if "corrupt" not in m]
     row["members"] = len(members)
+    if row["state"] == "final" and not members:  # every node left or died, the run not closed: a stopped job
+        row["state"] = "stopped"
     since = [m["since"] for m in members if isinstance(m.get("since"), (int, float))]
     row["age"] = _age(now, max(since) if since else None)
     return row

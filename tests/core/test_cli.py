@@ -255,16 +255,21 @@ def test_runs_lists_open_and_closed_runs_with_age(tmp_path) -> None:
     closer.next_round()
     closer.set_closed()
     closer.leave()
+    stopped = Rendezvous(kv, "stopped-run", RendezvousParams(min_nodes=1, keep_alive_ttl=30, last_call_timeout=0.1))
+    stopped.next_round()
+    stopped.leave()  # its job stopped by a signal: the run stays open, nobody in it
     out = _rdzv("runs", base, "--json")
     assert out.returncode == 0, out.stderr
     rows = {r["run_id"]: r for r in json.loads(out.stdout)}
-    assert set(rows) == {"open-run", "done-run"}
+    assert set(rows) == {"open-run", "done-run", "stopped-run"}
+    assert (rows["stopped-run"]["state"], rows["stopped-run"]["members"]) == ("stopped", 0)
     assert (rows["open-run"]["state"], rows["open-run"]["version"], rows["open-run"]["members"]) == ("final", 1, 1)
     assert (rows["done-run"]["state"], rows["done-run"]["version"], rows["done-run"]["members"]) == ("closed", None, 0)
-    for row in rows.values():
-        assert 0 <= row["age"] < 60
+    assert rows["stopped-run"]["age"] is None  # nobody left to date it
+    for name in ("open-run", "done-run"):
+        assert 0 <= rows[name]["age"] < 60
     text = _rdzv("runs", base)
-    assert text.returncode == 0 and len(text.stdout.splitlines()) == 3  # a header and one line per run
+    assert text.returncode == 0 and len(text.stdout.splitlines()) == 4  # a header and one line per run
     assert _rdzv("runs", f"file://{tmp_path}/?prefix=elsewhere", "--json").stdout.strip() == "[]"
     member.leave()
     kv.close()
