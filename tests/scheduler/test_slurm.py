@@ -7,9 +7,11 @@ from its workers' records (:mod:`tests.support.agent_workers.step_worker`), from
 * the real torch example trains to the end on 3 nodes;
 * a job that ended, requeued, trains again as the run's incarnation 1, and a second job trains in a run of its own
   -- under ``rdzv-run`` and under torchrun with the ``rdzv-redis`` handler (parametrized by launcher);
-* ``scancel --signal=USR1``: every worker sees SIGUSR1, the job exits 138, the run stays open;
-* one node's launcher and its worker killed (SIGKILL) in a job started with ``--nnodes 2:3``: the two others
-  re-form at world size 2 and finish; the job fails with the killed task's status;
+* ``scancel --signal=USR1``, to the steps or (``--batch``) to the batch shell, which passes it to ``srun``: every
+  worker sees SIGUSR1, the job exits 138, the run stays open;
+* one node's launcher and its worker killed (SIGKILL) in a job started with ``--nnodes 2:3`` (and no
+  ``--max-restarts``: the script's default 3 stands): the two others re-form at world size 2 and finish; the job
+  fails with the killed task's status;
 * a running job requeued (Slurm's SIGTERM to its steps): its workers stop unfinished and leave the run open; the
   requeued job trains in incarnation 1 from the workers' checkpoints to the target step count.
 
@@ -44,9 +46,11 @@ LAUNCHERS = {"rdzv-run": "redis", "torchrun": "rdzv-redis"}
 
 
 def _submit(slurm: SlurmCluster, tmp_path, redis, name: str, argv: list[str], options: str = "",
-            launcher: str = "rdzv-run") -> int:
+            launcher: str = "rdzv-run", max_restarts: int | None = 0) -> int:
     """``sbatch`` of the example script with the training command ``argv``, ``options`` appended to the
-    launcher's (``RDZV_RUN_OPTIONS``), ``launcher`` a key of :data:`LAUNCHERS`; the job id.
+    launcher's (``RDZV_RUN_OPTIONS``), ``launcher`` a key of :data:`LAUNCHERS`; the job id. ``RDZV_RUN_OPTIONS``
+    starts with ``--max-restarts MAX_RESTARTS`` (``None``: none, the script's default stands) and the test's
+    short rendezvous settings.
 
     Raises:
         RuntimeError: sbatch failed.
@@ -54,7 +58,8 @@ def _submit(slurm: SlurmCluster, tmp_path, redis, name: str, argv: list[str], op
     env = {
         "RDZV_BACKEND": LAUNCHERS[launcher], "RDZV_ENDPOINT": redis.address,
         "RDZV_RUN": _launcher_path(launcher),
-        "RDZV_RUN_OPTIONS": f"--max-restarts 0 --rdzv-conf last_call_timeout=0.5,keep_alive_ttl=2 {options}".strip(),
+        "RDZV_RUN_OPTIONS": " ".join([*([] if max_restarts is None else [f"--max-restarts {max_restarts}"]),
+                                      "--rdzv-conf last_call_timeout=0.5,keep_alive_ttl=2", options]).strip(),
         "TMPDIR": str(tmp_path),
     }
     return slurm.sbatch([f"--output={tmp_path / name}.out", f"--chdir={tmp_path}", SCRIPT, *argv], env=env)
@@ -189,13 +194,17 @@ def test_a_requeued_job_trains_again_and_two_jobs_never_share_a_run(slurm, tmp_p
     assert run_is_closed(_url(rdzv_server_redis, first, 1))  # the requeued job's own run, closed at its end
 
 
-def test_usr1_reaches_the_workers_and_the_nodes_leave_the_run_open(slurm, tmp_path, rdzv_server_redis):
+@pytest.mark.parametrize("target", ["steps", "batch"])
+def test_usr1_reaches_the_workers_and_the_nodes_leave_the_run_open(slurm, tmp_path, rdzv_server_redis, target):
+    """``scancel --signal=USR1``: to the job's steps (as ``--signal=USR1@N``), or ``--batch``: to the batch shell
+    only (as ``--signal=B:USR1@N``), whose trap passes it to ``srun`` (without it the shell dies: ``FAILED 0:10``)."""
     out = str(tmp_path / "records")
     job = _submit(slurm, tmp_path, rdzv_server_redis, "signalled",
                   [STEP_WORKER, "--out", out, "--until", str(tmp_path / "never")], options="--shutdown-timeout 2")
     eventually(lambda: len([r for r in _records(out, job, 0) if r["steps"] > 0]) == NODES, JOB_TIMEOUT,
                "every node's worker to take steps", detail=lambda: _output(tmp_path, "signalled"))
-    assert slurm.run(["scancel", "--signal=USR1", str(job)]).returncode == 0  # to the job's steps: the launchers
+    scancel = ["scancel", "--signal=USR1", *(["--batch"] if target == "batch" else []), str(job)]
+    assert slurm.run(scancel).returncode == 0
     fields = slurm.wait_state(job, ["COMPLETED", "FAILED", "CANCELLED"], JOB_TIMEOUT)
     recs = _records(out, job, 0)
     assert [("SIGUSR1" in r["signals"], r["done"]) for r in recs] == [(True, False)] * NODES, recs
@@ -207,9 +216,12 @@ def test_usr1_reaches_the_workers_and_the_nodes_leave_the_run_open(slurm, tmp_pa
 def test_a_killed_node_leaves_the_others_to_re_form_at_two_and_finish(slurm, tmp_path, rdzv_server_redis):
     out, stop = str(tmp_path / "records"), tmp_path / "stop"
     job = _submit(slurm, tmp_path, rdzv_server_redis, "killed",
-                  [STEP_WORKER, "--out", out, "--until", str(stop), "--sigterm-exits"], options="--nnodes 2:3")
+                  [STEP_WORKER, "--out", out, "--until", str(stop), "--sigterm-exits"], options="--nnodes 2:3",
+                  max_restarts=None)
     before = eventually(lambda: _all_stepping(out, job, 0, NODES), JOB_TIMEOUT,
                         "every node's worker to take steps at world size 3", detail=lambda: _output(tmp_path, "killed"))
+    # RDZV_RUN_OPTIONS ("--nnodes 2:3", no --max-restarts) add to the script's defaults: its 3 restarts stand
+    assert [r["max_restarts"] for r in before] == [3] * NODES, before
     victim = next(r for r in before if r["node_id"] == "1")  # the middle node: the survivors' ranks must close up
     killed = _kill_tree(_task_of(victim["pid"]))
     assert victim["pid"] in killed

@@ -5,10 +5,13 @@ rewritten atomically after every step and on a signal::
 
     {"rank": int, "world_size": int, "run_id": TORCHELASTIC_RUN_ID, "job_id": SLURM_JOB_ID,
      "restart_count": int, "steps": int, "resumed_from": int, "signals": ["SIGUSR1", ...], "done": bool,
-     "pid": int, "node_id": SLURM_NODEID, "parent_argv": [str, str]}
+     "pid": int, "node_id": SLURM_NODEID, "parent_argv": [str, str], "max_restarts": int | None}
 
 ``parent_argv``: the first two words of the parent's command line (``/proc/PPID/cmdline``: a launcher run by
 Python is ``[PYTHON, LAUNCHER]``), ``[]`` where it cannot be read.
+
+``max_restarts``: ``TORCHELASTIC_MAX_RESTARTS``, the restarts the launcher was given (its agent sets it in each
+worker), ``None`` when unset.
 
 ``steps`` counts from ``resumed_from`` (the checkpoint's step count, 0 without one): the steps this worker took
 are ``steps - resumed_from``.
@@ -89,6 +92,8 @@ def main() -> int:
         "job_id": os.environ.get("SLURM_JOB_ID"), "restart_count": restart, "steps": resumed_from,
         "resumed_from": resumed_from, "signals": [], "done": False, "pid": os.getpid(),
         "node_id": os.environ.get("SLURM_NODEID"), "parent_argv": _parent_argv(),
+        "max_restarts": int(os.environ["TORCHELASTIC_MAX_RESTARTS"]) if "TORCHELASTIC_MAX_RESTARTS" in os.environ
+        else None,
     }
 
     def save(tag: str = "main") -> None:
@@ -100,11 +105,14 @@ def main() -> int:
 
     def on_signal(signum: int, frame: Any) -> None:
         state["signals"].append(signal.Signals(signum).name)
+        # a temporary file of this call's own: under Slurm a signal may come twice (from Slurm, and from the
+        # launcher passing it on), the second interrupting this handler between its write and its replace
+        tag = f"signal{len(state['signals'])}"
         if signum == signal.SIGTERM and args.sigterm_exits:
-            save("signal")  # the step the main loop may have counted but not yet saved
-            write("signal")
+            save(tag)  # the step the main loop may have counted but not yet saved
+            write(tag)
             os._exit(128 + signum)
-        write("signal")
+        write(tag)
 
     signal.signal(signal.SIGUSR1, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
