@@ -137,7 +137,9 @@ def test_rdzv_runs_and_status_show_each_incarnation(tmp_path, capsys, monkeypatc
         rdzv_main(["status", f"{base}job"])
         assert re.search(r"^incarnation\s+1$", capsys.readouterr().out, re.MULTILINE)
         monkeypatch.delenv("SLURM_RESTART_COUNT")
-        rdzv_main(["status", f"{base}job"])
+        rdzv_main(["status", f"{base}job"])  # outside the job: the latest incarnation with state
+        assert re.search(r"^incarnation\s+1$", capsys.readouterr().out, re.MULTILINE)
+        rdzv_main(["status", f"{base}job?incarnation=0"])
         out = capsys.readouterr().out
         assert re.search(r"^incarnation\s+0$", out, re.MULTILINE) and re.search(r"^state\s+closed$", out, re.MULTILINE)
     finally:
