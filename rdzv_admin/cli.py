@@ -43,7 +43,7 @@ from rdzv_core.errors import (
 from rdzv_core.kv import KVBackend, parse_counter
 from rdzv_core.labels import incarnation_of
 from rdzv_core.plugins import list_backends, parse_backend_url
-from rdzv_core.rendezvous import Rendezvous, RendezvousParams, RunKeys, Status, progress_keys
+from rdzv_core.rendezvous import Rendezvous, RendezvousParams, RunKeys, Status, has_state, progress_keys
 
 from . import progress_view, runs_view
 from .self_check import cmd_check
@@ -83,7 +83,7 @@ def _open(url: str, latest: bool = False) -> tuple[KVBackend, Rendezvous]:
         try:
             probe, misses = 1, 0
             while misses < LATEST_PROBES:
-                if kv.list(RunKeys(params.prefix, parsed.run_id, probe).state_dir)[0]:
+                if has_state(kv, RunKeys(params.prefix, parsed.run_id, probe)):
                     incarnation, misses = probe, 0
                 else:
                     misses += 1

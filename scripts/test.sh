@@ -65,7 +65,8 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
   # scenarios (real launchers and workers), the Slurm jobs (marker scheduler) and the benchmarks' smoke runs run in
-  # a second pytest next to the main one (together they keep both cores busy: docs/testing.md, "Suite time"); its report follows the main one's.
+  # a second pytest next to the main one (together they keep both cores busy: docs/testing.md, "Suite time"); its
+  # report follows the main one's.
   mh_log=$(mktemp)
   .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
   mh_pid=$!

@@ -16,6 +16,7 @@ from .params import MIN_KEEP_ALIVE_TTL, Progress, RendezvousParams, RoundResult
 from .record import MAX_STATE_BYTES, RoundRecord, RunKeys, Status, round_segment
 from .machine import SETUP_STAGGER, SPARE_LOG_EVERY
 from .node import Rendezvous
+from .state_io import has_state
 
 __all__ = ["RendezvousParams", "Rendezvous", "RoundResult", "Progress", "round_segment", "RoundRecord", "RunKeys",
-           "Status", "MAX_STATE_BYTES", "MIN_KEEP_ALIVE_TTL", "SETUP_STAGGER", "SPARE_LOG_EVERY"]
+           "Status", "MAX_STATE_BYTES", "MIN_KEEP_ALIVE_TTL", "SETUP_STAGGER", "SPARE_LOG_EVERY", "has_state"]

@@ -24,7 +24,7 @@ from .params import RoundResult
 from .record import RoundRecord, RunKeys, Status
 from .steps import DeadlinePassedError
 
-__all__ = ["RoundIO", "closed_message", "delete_round_record", "restore_round", "round_ended", "log"]
+__all__ = ["RoundIO", "closed_message", "delete_round_record", "has_state", "restore_round", "round_ended", "log"]
 
 #: The rendezvous' logger (one name for the whole package).
 log = logging.getLogger("rdzv_core.rendezvous")
@@ -44,6 +44,16 @@ def closed_message(run_id: str, incarnation: int, next_free: int | None = None) 
 
 #: Later incarnations a closed run's error looks at for one not used yet (a read of a small directory each).
 FREE_INCARNATION_PROBES = 8
+
+
+def has_state(kv: KVBackend, keys: RunKeys) -> bool:
+    """Whether the run of ``keys`` (one incarnation) has anything under ``ROOT/state/``: a round record, a closed
+    mark or a configuration.
+
+    Raises:
+        BackendUnavailableError, BackendClosedError: from ``kv``.
+    """
+    return bool(kv.list(keys.state_dir)[0])
 
 
 def delete_round_record(kv: KVBackend, keys: RunKeys, revision: int) -> bool:
@@ -175,7 +185,7 @@ class RoundIO:
         first = self.keys.incarnation + 1
         free = first + FREE_INCARNATION_PROBES
         for incarnation in range(first, first + FREE_INCARNATION_PROBES):
-            if not self.kv.list(dataclasses.replace(self.keys, incarnation=incarnation).state_dir)[0]:
+            if not has_state(self.kv, dataclasses.replace(self.keys, incarnation=incarnation)):
                 free = incarnation
                 break
         return RendezvousClosedError(closed_message(self.run_id, self.keys.incarnation, free))
