@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import time
 from typing import Iterator, Sequence
 
 import pytest
@@ -35,6 +36,8 @@ NODES = ("n1", "n2", "n3")
 _DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "srun", "scancel", "sinfo")
 #: Seconds the daemons get to come up, and a node to register and become idle.
 START_TIMEOUT = 60.0
+#: Seconds :meth:`SlurmCluster.stop` waits for the cancelled jobs to end (beyond KillWait: a loaded host).
+JOBS_END = 30.0
 
 
 def missing() -> str | None:
@@ -101,10 +104,17 @@ class SlurmCluster:
             raise
 
     def stop(self) -> None:
-        """Cancel every job of this cluster, stop the daemons this object started (SIGTERM, then SIGKILL after
-        10 s) by their pids, and remove the directory. Safe to call twice."""
+        """Cancel every job of this cluster and wait (up to :data:`JOBS_END` s) until none is left, stop the daemons
+        this object started (SIGTERM, then SIGKILL after 10 s) by their pids, and remove the directory. Safe to
+        call twice."""
         if self._procs and self._running("slurmctld"):
             subprocess.run(["scancel", "--full", "--user", "root"], env=self.env, capture_output=True, timeout=30)
+            # the jobs' slurmstepd end their processes (SIGKILL after KillWait) only while slurmd runs: wait
+            deadline = time.monotonic() + JOBS_END
+            while time.monotonic() < deadline and subprocess.run(
+                    ["squeue", "--noheader", "--format=%i"], env=self.env, capture_output=True, text=True,
+                    timeout=30).stdout.strip():
+                time.sleep(0.2)
         for _name, proc in reversed(self._procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
