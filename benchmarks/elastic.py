@@ -28,10 +28,15 @@ spare       ``--nnodes 2:2``, A and B train, C starts: restarts of A and B are c
             the hold (``--spare-hold``, 60 s), then B is killed: until C makes a step
 ==========  ==========================================================================
 
+The event comes after the job has trained at its starting world size for ``--settle``
+seconds (15; 0 with ``--smoke``): a failure in a long job comes in steady state, when the
+next warm generation is ready (it is started ``RDZV_WARM_AFTER`` = 10 s after the workers).
 The victim is never node A, which hosts the TCPStore of torch's ``c10d`` baseline
 (``is_host=1``; the others ``is_host=0``: killing the host ends that job). Each
 repetition's launcher logs and worker records are kept under ``--logs``.
-Targets: ``rdzv-run`` over redis, etcd-v3 and file; ``torchrun`` with the
+Targets: ``rdzv-run`` over redis, etcd-v3 and file (as by default: warm workers where the
+trainer qualifies; ``rdzv-run+warm:*`` with ``--warm-workers``, ``rdzv-run+cold:*`` with
+``--no-warm-workers``); ``torchrun`` with the
 ``rdzv-redis`` handler; the baselines ``torchrun`` with torch's ``c10d`` and
 ``etcd-v2`` handlers -- same servers, same job, in one run, repetitions
 interleaved (rep 1 of every event and target, then rep 2, ...). A target that does
@@ -58,7 +63,7 @@ import psutil
 
 from . import elastic_phases
 from .servers import Servers
-from .trainer import read_records
+from .trainer_records import read_records
 
 __all__ = ["TARGETS", "EVENTS", "run_event", "main"]
 
@@ -77,9 +82,16 @@ TARGETS: dict[str, tuple[str, str]] = {
     "rdzv-run+warm:redis": ("rdzv-run", "redis"),
     "rdzv-run+warm:etcd-v3": ("rdzv-run", "etcd-v3"),
     "rdzv-run+warm:file": ("rdzv-run", "file"),
+    "rdzv-run+cold:redis": ("rdzv-run", "redis"),
+    "rdzv-run+cold:etcd-v3": ("rdzv-run", "etcd-v3"),
+    "rdzv-run+cold:file": ("rdzv-run", "file"),
 }
-#: Targets whose launchers run with ``--warm-workers`` (:mod:`rdzv_agent.workers.warm`).
-WARM_TARGETS = frozenset(t for t in TARGETS if t.startswith("rdzv-run+warm:"))
+#: ``rdzv-run`` flags per target variant: warm workers as by default (``rdzv-run:*``: on where the trainer
+#: qualifies, :mod:`rdzv_agent.workers.warm_check`), asked for (``+warm``) or off (``+cold``).
+VARIANT_FLAGS = {"rdzv-run+warm": ["--warm-workers"], "rdzv-run+cold": ["--no-warm-workers"]}
+#: Seconds the job trains at its starting world size before the event (``--settle``): failures in a long job
+#: come in steady state, after the first ``RDZV_WARM_AFTER`` (10 s) in which no warm generation exists yet.
+SETTLE = 15.0
 EVENTS = ("kill", "freeze", "leave", "grow", "spare")
 #: setting -> ``last_call_timeout`` given to every target (seconds; ``None``: not given, the handler's default).
 SETTINGS: dict[str, float | None] = {"defaults": None, "lc1": 1.0}
@@ -156,7 +168,7 @@ class Job:
 
     def __init__(self, target: str, servers: Servers, workdir: str, last_call: float | None) -> None:
         self.launcher, self.backend = TARGETS[target]
-        self.warm = target in WARM_TARGETS
+        self.flags = VARIANT_FLAGS.get(target.split(":")[0], [])
         self.last_call = last_call
         self.servers = servers
         self.workdir = workdir
@@ -188,7 +200,7 @@ class Job:
 
     def start(self, name: str, nnodes: str, gate: str | None = None) -> Node:
         argv = ["--nnodes", nnodes, "--nproc-per-node", "1", "--max-restarts", "3", "--monitor-interval", "0.1",
-                *(["--warm-workers"] if self.warm else []), *self._rdzv_args(name),
+                *self.flags, *self._rdzv_args(name),
                 TRAINER, "--out", self.out, "--collective", "--pg-timeout", "60"]
         module = "rdzv_agent.launch.launcher" if self.launcher == "rdzv-run" else "torch.distributed.run"
         node = self.nodes[name] = Node(argv, module, name, self.workdir, gate)
@@ -216,9 +228,10 @@ class Job:
 
 
 def run_event(target: str, event: str, servers: Servers, limit: float, spare_hold: float,
-              setting: str = "lc1", keep: str | None = None) -> dict[str, Any]:
-    """One repetition: start the job, cause ``event``, measure and split into phases; the job is torn down and
-    its directory removed in every case (its logs and records copied to ``keep`` first, if given)."""
+              setting: str = "lc1", keep: str | None = None, settle: float = SETTLE) -> dict[str, Any]:
+    """One repetition: start the job, let it train ``settle`` s, cause ``event``, measure and split into phases;
+    the job is torn down and its directory removed in every case (its logs and records copied to ``keep`` first,
+    if given)."""
     workdir = tempfile.mkdtemp(prefix=f"rdzv-elastic-{event}-")
     job = Job(target, servers, workdir, SETTINGS[setting])
     result: dict[str, Any] = {"target": target, "event": event, "setting": setting, "recovery_s": None,
@@ -233,6 +246,7 @@ def run_event(target: str, event: str, servers: Servers, limit: float, spare_hol
             job.start("C", "2:3", gate=gate)
             if not job.wait_training(["A", "B"], 2, START_LIMIT):
                 return {**result, "status": "no start"}
+            time.sleep(settle)
             t0 = time.time()
             open(gate, "w").close()
             recovered = _wait_first(job, ["A", "B", "C"], 3, t0, limit)
@@ -253,6 +267,7 @@ def run_event(target: str, event: str, servers: Servers, limit: float, spare_hol
                 job.start(name, "2:3")
             if not job.wait_training(["A", "B", "C"], 3, START_LIMIT):
                 return {**result, "status": "no start"}
+            time.sleep(settle)
             victim = job.nodes["C"]
             t0 = time.time()
             if event == "kill":
@@ -305,9 +320,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3, help="repetitions per target and event (default 3)")
     p.add_argument("--limit", type=float, default=90.0, help="seconds to wait for a recovery (default 90)")
     p.add_argument("--spare-hold", type=float, default=60.0, help="seconds the spare waits (default 60)")
+    p.add_argument("--settle", type=float, default=SETTLE,
+                   help=f"seconds the job trains before the event (default {SETTLE:g}; the spare's hold is its own)")
     p.add_argument("--settings", default=",".join(SETTINGS),
                    help="comma-separated settings: defaults (torch's 30 s last call), lc1 (last_call_timeout=1)")
-    p.add_argument("--smoke", action="store_true", help="rdzv-run:file, kill and spare (hold 5 s), once, lc1")
+    p.add_argument("--smoke", action="store_true",
+                   help="rdzv-run:file, kill and spare (hold 5 s), once, lc1, no settling")
     p.add_argument("--quick", action="store_true",
                    help="the chosen targets, events and settings once, spare hold 5 s, limit 45 s")
     p.add_argument("--out", default=None, help="JSON file to write (default: a new temporary file)")
@@ -328,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     reps, hold, limit = args.reps, args.spare_hold, args.limit
     if args.smoke:
         targets, events, settings, reps, hold, limit = ["rdzv-run:file"], ["kill", "spare"], ["lc1"], 1, 5.0, 60.0
+        args.settle = 0.0
     elif args.quick:
         reps, hold, limit = 1, 5.0, 45.0
     for name, known, valid in (("--targets", targets, TARGETS), ("--events", events, EVENTS),
@@ -351,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 for setting in settings:
                     for target in targets:
                         keep = os.path.join(logs, f"{setting}-{event}-{target.replace(':', '-')}-{rep}")
-                        one = run_event(target, event, servers, limit, hold, setting, keep)
+                        one = run_event(target, event, servers, limit, hold, setting, keep, args.settle)
                         one["rep"] = rep
                         results.append(one)
                         print(json.dumps(one), flush=True)
@@ -366,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                     "loadavg_start": load_start, "loadavg_end": list(os.getloadavg())},
         "servers": versions,
         "config": {"targets": targets, "events": events, "settings": {s: SETTINGS[s] for s in settings},
-                   "reps": reps, "limit_s": limit, "spare_hold_s": hold, "keep_alive_ttl_s": 5.0,
+                   "reps": reps, "limit_s": limit, "spare_hold_s": hold, "settle_s": args.settle,
+                   "keep_alive_ttl_s": 5.0,
                    "last_call_timeout_default_s": 30.0},
         "code": _commit(),
         "previous": previous,

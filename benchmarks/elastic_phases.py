@@ -26,7 +26,7 @@ import re
 import time
 from typing import Any
 
-from .trainer import read_records
+from .trainer_records import read_records
 
 __all__ = ["PHASES", "MILESTONES", "node_events", "phases"]
 

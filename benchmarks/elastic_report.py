@@ -30,7 +30,8 @@ TTL = 5.0
 TARGETS_DEFAULTS: dict[str, dict[str, float]] = {
     **{t: {"kill": 1.5, "leave": 1.5, "grow": 2.0, "freeze": TTL + 1.5}
        for t in ("rdzv-run:redis", "rdzv-run:etcd-v3", "rdzv-run:file",
-                 "rdzv-run+warm:redis", "rdzv-run+warm:etcd-v3", "rdzv-run+warm:file")},
+                 "rdzv-run+warm:redis", "rdzv-run+warm:etcd-v3", "rdzv-run+warm:file",
+                 "rdzv-run+cold:redis", "rdzv-run+cold:etcd-v3", "rdzv-run+cold:file")},
     "torchrun:rdzv-redis": {"kill": 2.5, "freeze": TTL + 2.5},
 }
 FASTER_THAN_C10D = 10.0

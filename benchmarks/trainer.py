@@ -11,8 +11,9 @@ each launcher: the launchers pass their environment to their workers)::
     {"node", "pid", "rank", "local_rank", "world", "group_rank", "restart", "master", "step", "t"}
 
 ``master`` is ``MASTER_ADDR:MASTER_PORT`` (one per round's process group); ``t`` is ``time.time()``;
-``spawned`` is ``time.time()`` when the worker process began, before it imported torch; ``imported`` once
-``import torch`` returned; ``pg_done`` once ``init_process_group`` returned.
+``spawned`` is ``time.time()`` at the trainer's first line, before it imports torch; ``imported`` once
+``import torch`` returned; ``pg_done`` once ``init_process_group`` returned (reading the records:
+:mod:`benchmarks.trainer_records`).
 Before the first step it writes one ``start`` line with the same fields and ``"sum"`` (the first
 ``all_reduce`` of ``RANK + 1``: the sum of 1..WORLD_SIZE when every rank is distinct); an ``error`` line
 when a step's ``all_reduce`` raises (then it exits with the error).
@@ -25,36 +26,24 @@ It stops when asked, by files in ``OUT``:
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import sys
 import time
-from datetime import timedelta
-from typing import Any
 
+SPAWNED = time.time()  # the entry point's first line: before torch's import (a warm worker's is done already)
 
-def read_records(out: str, node: str, kind: str = "step") -> list[dict[str, object]]:
-    """The records of ``kind`` (``"step"`` or ``"start"``) that node ``node``'s workers wrote under ``out`` so
-    far, in file order (a line being written is skipped; no file yet: none)."""
-    try:
-        with open(os.path.join(out, f"steps-{node}.jsonl")) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return []
-    found = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:  # a line being written
-            continue
-        if record.get("kind") == kind:
-            found.append(record)
-    return found
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from datetime import timedelta  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402  # at module level: warm workers start this trainer warm by default
+import torch.distributed as dist  # noqa: E402
+
+IMPORTED = time.time()
 
 
 def main() -> int:
-    spawned = time.time()
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--pg-timeout", type=float, default=60.0)
@@ -62,11 +51,6 @@ def main() -> int:
     p.add_argument("--collective", action="store_true")
     p.add_argument("--max-steps", type=int, default=100_000)
     args = p.parse_args()
-
-    import torch
-    import torch.distributed as dist
-
-    imported = time.time()
 
     node = os.environ.get("TRAINER_NODE", "node")
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -76,8 +60,8 @@ def main() -> int:
         "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"]),
         "group_rank": int(os.environ.get("GROUP_RANK", "-1")), "restart": restart,
         "role_rank": int(os.environ.get("ROLE_RANK", "-1")), "role_world": int(os.environ.get("ROLE_WORLD_SIZE", "-1")),
-        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", "spawned": spawned,
-        "imported": imported,
+        "master": f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", "spawned": SPAWNED,
+        "imported": IMPORTED,
     }
 
     def record(**fields: object) -> None:

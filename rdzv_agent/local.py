@@ -56,7 +56,9 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs
@@ -79,7 +81,8 @@ from .workers.log_specs import LineFilter, WorkerStreams, line_prefix, make_logs
 from .workers.process import WorkerProcess, parent_death_hook, stop_processes
 from .workers.reaper import NodeReaper
 from .workers.streams import Std
-from .workers.warm import WarmPool, boot_argv
+from .workers.warm import WARM_AFTER, WarmPool, boot_argv, entry_of, entry_path0
+from .workers.warm_check import entry_sources, reason_to_start_cold
 
 __all__ = ["LocalElasticAgent", "DEFAULT_STOP_GRACE"]
 
@@ -121,6 +124,10 @@ class LocalElasticAgent(SimpleElasticAgent):
             of the group also stops what the workers left behind; ``None``: only the workers' trees.
         warm_imports: keep warm workers (:mod:`rdzv_agent.workers.warm`: started ahead, ``torch`` and these modules
             imported; start them from a thread that outlives them, as cold workers); ``None``: off.
+        warm_checked: warm only if the entry point imports torch at module level and changes nothing the import
+            reads before it (:mod:`rdzv_agent.workers.warm_check`: warm workers on by default, not asked for).
+        warm_after: seconds the workers run before the next warm generation is started (the first is started
+            with the agent).
 
     Raises:
         ConfigError: ``spec.fn`` is not a program name, ``stop_grace`` is invalid, or ``virtual_local_rank``
@@ -151,6 +158,8 @@ class LocalElasticAgent(SimpleElasticAgent):
         progress_interval: float = PROGRESS_INTERVAL,
         reaper: NodeReaper | None = None,
         warm_imports: Sequence[str] | None = None,
+        warm_checked: bool = False,
+        warm_after: float = WARM_AFTER,
     ) -> None:
         if not isinstance(spec.fn, str):
             raise ConfigError("fn", spec.fn, "LocalElasticAgent runs programs: give the executable (str)")
@@ -178,6 +187,9 @@ class LocalElasticAgent(SimpleElasticAgent):
         self._hangs = HangWatch(spec.rdzv_handler, hang_timeout, progress_interval)
         self._reaper = reaper
         self._warm = WarmPool(warm_imports, reaper) if warm_imports is not None else None
+        self._warm_checked = warm_checked
+        self._warm_after = float(warm_after)
+        self._warm_due: float | None = None  # time.monotonic() at which the next warm generation is started
 
     @property
     def log_dir(self) -> str:
@@ -243,13 +255,30 @@ class LocalElasticAgent(SimpleElasticAgent):
         if self._warm is None or not self._warm.enabled:
             return
         spec = self._worker_group.spec
-        boot = boot_argv(str(spec.fn), [str(a) for a in spec.args], self._warm.imports)
-        if boot is None:
-            log.info("warm workers: %s is not a Python script or module: the workers start cold", spec.fn)
+        args = [str(a) for a in spec.args]
+        boot = boot_argv(str(spec.fn), args, self._warm.imports)
+        reason = f"{spec.fn} {' '.join(args[:2])} is not a Python script or module" if boot is None \
+            else self._not_exact(args)
+        if boot is None or reason is not None:
+            log.info("warm workers: off, the workers start cold: %s", reason)
             self._warm.enabled = False
             return
         self._warm.spawn({lr: (worker_options.numa_argv(boot, self._numa_cpus.get(lr)), self._slot_env(lr))
                           for lr in range(spec.local_world_size)}, parent_death_hook())
+
+    def _not_exact(self, args: Sequence[str]) -> str | None:
+        """Why a warm start of the entry point would not be exact, or ``None`` (checked once, if warm by default)."""
+        if not self._warm_checked:
+            return None
+        self._warm_checked = False
+        entry = entry_of(args)
+        if entry is None:
+            return None
+        sources = entry_sources(entry[0], entry[1], [entry_path0(args) or "", *sys.path[1:]])
+        if sources is None:
+            return f"the source of {entry[1]!r} cannot be read"
+        found = reason_to_start_cold(sources)
+        return None if found is None else f"{found} (--warm-workers: warm anyway)"
 
     def _start_worker(self, argv: Sequence[str], env: dict[str, str], streams: WorkerStreams,
                       local_rank: int) -> WorkerProcess:
@@ -295,8 +324,16 @@ class LocalElasticAgent(SimpleElasticAgent):
             self._stop_workers(worker_group)
             raise
         self._hangs.started({lr: (self._global_ranks[lr], proc.pid) for lr, proc in self._procs.items()}, envs)
-        self._spawn_warm()  # the next generation, once the workers run
+        self._warm_due = time.monotonic() + self._warm_after  # the next generation, once the workers ran a while
+        if self._warm_after <= 0:
+            self._spawn_due_warm()
         return {lr: proc.pid for lr, proc in self._procs.items()}
+
+    def _spawn_due_warm(self) -> None:
+        """Start the next warm generation if the workers have run :data:`warm_after` seconds."""
+        if self._warm_due is not None and time.monotonic() >= self._warm_due:
+            self._warm_due = None
+            self._spawn_warm()
 
     def _open_line_filters(self, dest: LogsDest) -> tuple[LineFilter | None, LineFilter | None]:
         """This start's duplicate filter files (the previous start's are closed)."""
@@ -369,7 +406,10 @@ class LocalElasticAgent(SimpleElasticAgent):
         if codes and all(code == 0 for code in codes.values()):
             return MonitorResult(WorkerState.SUCCEEDED, ret_vals={self._global_ranks[lr]: 0 for lr in codes})
         stuck = self._check_stuck()
-        return stuck if stuck.state != WorkerState.HEALTHY else self._check_hung()
+        result = stuck if stuck.state != WorkerState.HEALTHY else self._check_hung()
+        if result.state == WorkerState.HEALTHY:
+            self._spawn_due_warm()
+        return result
 
     def _check_hung(self) -> MonitorResult:
         """FAILED, restartable, if a worker made no progress for ``hang_timeout`` s (:mod:`.hang`: stacks dumped)."""

@@ -358,12 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="let processes the workers start outlive the job (a daemon meant to stay): by default whatever the "
              "workers leave behind is stopped with each worker group and when the launcher ends, even by kill -9")
     opt("--warm-workers", action="store_true",
-        help="keep the next generation of this node's workers started ahead (Python up, torch and --warm-imports "
-             "imported, the slot's LOCAL_RANK/CUDA_VISIBLE_DEVICES/OMP_NUM_THREADS set), so a restart or "
-             "membership change skips the start-up; costs one idle interpreter per local rank (docs/warm-workers.md)"
-             "; default off: code a script runs before 'import torch' then runs after it")
+        help="warm workers even for an entry point that changes what 'import torch' reads before importing it "
+             "(by default they are on, but such a script starts cold): the next generation of this node's workers "
+             "is kept started ahead (Python up, torch and --warm-imports imported, the slot's LOCAL_RANK/"
+             "CUDA_VISIBLE_DEVICES/OMP_NUM_THREADS set), so a restart or membership change skips the start-up; "
+             "one idle interpreter per local rank (docs/warm-workers.md)")
     opt("--no-warm-workers", pet=False, action="store_true",
-        help="no warm workers, whatever PET_WARM_WORKERS says (with --warm-imports: an error)")
+        help="no warm workers (also PET_WARM_WORKERS=0): every start is cold (with --warm-imports: an error)")
     opt("--warm-imports", type=_module_names, default=None, metavar="MOD,...",
         help="modules the warm workers import besides torch (turns --warm-workers on); one not found on the "
              "workers' path is an error, one that fails to import a WARNING (the workers then start cold)")

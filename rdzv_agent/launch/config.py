@@ -35,7 +35,7 @@ from ..supervision.hang_watch import interval_from_env
 from ..supervision.ops_hooks import OpsHooks, ops_from_env
 from ..workers.log_specs import PREFIX_TEMPLATE_ENV, load_logs_specs
 from ..workers.streams import Std
-from ..workers.warm import entry_path0
+from ..workers.warm import WARM_AFTER, WARM_AFTER_ENV, entry_path0
 from .args import (
     DEFAULT_EXIT_BARRIER_TIMEOUT,
     DEFAULT_MONITOR_INTERVAL,
@@ -44,6 +44,7 @@ from .args import (
     RUN_PATH_CODE,
     SHUTDOWN_TIMEOUT_ENV,
     _non_negative_int,
+    _non_negative_seconds,
     _port,
 )
 from .target import (
@@ -141,9 +142,14 @@ class LaunchConfig:
     #: ``--keep-orphans`` (``PET_KEEP_ORPHANS``): processes the workers leave behind are not stopped
     #: (:mod:`rdzv_agent.workers.reaper`).
     keep_orphans: bool = False
-    #: ``--warm-workers``/``--warm-imports``: the modules warm workers import besides torch, ``None``: no warm
-    #: workers (:mod:`rdzv_agent.workers.warm`).
+    #: The modules warm workers import besides torch (``--warm-imports``), ``None``: no warm workers
+    #: (``--no-warm-workers``, ``PET_WARM_WORKERS=0``; :mod:`rdzv_agent.workers.warm`).
     warm_imports: list[str] | None = None
+    #: Warm by default (neither ``--warm-workers`` nor ``--warm-imports`` given): warm only if the entry point
+    #: changes nothing torch's import reads before it imports torch (:mod:`rdzv_agent.workers.warm_check`).
+    warm_checked: bool = False
+    #: ``RDZV_WARM_AFTER``: seconds the workers run before the next warm generation is started.
+    warm_after: float = 10.0
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -239,12 +245,36 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         progress_interval=interval_from_env(environ),
         keep_orphans=bool(getattr(args, "keep_orphans", False)),
         warm_imports=_warm_imports(args, program, program_args, environ),
+        warm_checked=_warm_by_default(args, environ),
+        warm_after=_warm_after(environ),
     )
+
+
+def _warm_by_default(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    """Warm workers are on by default, not asked for: neither flag nor a non-zero ``PET_WARM_WORKERS``."""
+    return not getattr(args, "warm_workers", False) and getattr(args, "warm_imports", None) is None \
+        and not environ.get("PET_WARM_WORKERS", "").strip()
+
+
+def _warm_after(environ: Mapping[str, str]) -> float:
+    """``RDZV_WARM_AFTER`` in seconds (default :data:`~rdzv_agent.workers.warm.WARM_AFTER`).
+
+    Raises:
+        ConfigError: not a finite number >= 0 (names the variable and the value).
+    """
+    raw = environ.get(WARM_AFTER_ENV, "").strip()
+    if not raw:
+        return WARM_AFTER
+    try:
+        return _non_negative_seconds(raw)
+    except argparse.ArgumentTypeError as exc:
+        raise ConfigError(WARM_AFTER_ENV, raw, str(exc)) from None
 
 
 def _warm_imports(args: argparse.Namespace, program: str, program_args: Sequence[str],
                   environ: Mapping[str, str]) -> list[str] | None:
-    """What warm workers import besides torch, or ``None`` if they are off (the default).
+    """What warm workers import besides torch, or ``None`` if they are off (``--no-warm-workers`` or
+    ``PET_WARM_WORKERS=0``; on by default).
 
     A module the workers' Python (this one) cannot find, on the path the entry point will have, is an
     error now rather than a warning per start (a typo). One that is found but fails to import is a
@@ -259,8 +289,9 @@ def _warm_imports(args: argparse.Namespace, program: str, program_args: Sequence
             raise ConfigError(as_given(args, "--warm-imports"), ",".join(imports),
                               "needs warm workers, which --no-warm-workers turns off")
         return None
-    if imports is None and not getattr(args, "warm_workers", False):
-        return None
+    if imports is None and not getattr(args, "warm_workers", False) and \
+            environ.get("PET_WARM_WORKERS", "").strip():
+        return None  # PET_WARM_WORKERS=0 (an integer other than 0 sets the flag)
     path0 = entry_path0(program_args)
     if path0 is not None and program == sys.executable and PYTHON_EXEC_ENV not in environ:
         path = [path0, *sys.path[1:]]

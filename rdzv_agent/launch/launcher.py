@@ -306,7 +306,7 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
             virtual_local_rank=config.virtual_local_rank, numa_cpus=config.numa_cpus,
             ops=config.ops, heartbeat=heartbeat,
             hang_timeout=config.hang_timeout, progress_interval=config.progress_interval, reaper=reaper,
-            warm_imports=config.warm_imports,
+            warm_imports=config.warm_imports, warm_checked=config.warm_checked, warm_after=config.warm_after,
         )
         if prom is not None:
             prom.attach(handler.get_run_id(), handler.get_backend(), lambda: agent.progress)

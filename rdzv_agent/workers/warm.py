@@ -36,7 +36,8 @@ from typing import Callable, Mapping, Sequence
 
 from .reaper import NodeReaper
 
-__all__ = ["WarmProcess", "WarmPool", "boot_argv", "BOOT", "LOADER", "FD_PLACEHOLDER", "READY_TIMEOUT", "entry_path0"]
+__all__ = ["WarmProcess", "WarmPool", "boot_argv", "entry_of", "BOOT", "LOADER", "FD_PLACEHOLDER", "READY_TIMEOUT",
+           "WARM_AFTER", "WARM_AFTER_ENV", "entry_path0"]
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +52,40 @@ _HEADER = 8
 READY_TIMEOUT = 120.0
 #: Stands for the socket's fd in a :func:`boot_argv` command.
 FD_PLACEHOLDER = "{fd}"
+#: Seconds the workers run before the next warm generation is started (``RDZV_WARM_AFTER``): its imports then
+#: do not compete with the workers' own start-up, and a job that ends or fails within them pays nothing for it.
+WARM_AFTER = 10.0
+WARM_AFTER_ENV = "RDZV_WARM_AFTER"
 
 
-def boot_argv(program: str, args: Sequence[str], imports: Sequence[str]) -> list[str] | None:
-    """The warm command for the cold command ``[program, *args]``, or ``None`` if it cannot be warm.
+def entry_of(args: Sequence[str]) -> tuple[str, str, list[str]] | None:
+    """``(kind, entry, rest)`` of the worker command ``PYTHON *args``, or ``None`` if it cannot be warm.
 
-    The command holds :data:`FD_PLACEHOLDER` where :class:`WarmProcess` puts its socket's fd.
-
-    Only the commands the launcher builds for a Python entry point qualify: ``PYTHON -u SCRIPT ARGS``
-    (SCRIPT a file, not a zip), ``PYTHON -u -m MODULE ARGS`` and ``PYTHON -u -c CODE ARGS``
-    (``--run-path``).
+    ``kind`` is ``"script"`` (``-u SCRIPT``: a file, not a zip), ``"module"`` (``-u -m MODULE``) or ``"code"``
+    (``-u -c CODE``, ``--run-path``): the commands the launcher builds for a Python entry point.
     """
     if len(args) < 2 or args[0] != "-u":
         return None
     if args[1] in ("-m", "-c"):
         if len(args) < 3:
             return None
-        kind, entry, rest = ("module" if args[1] == "-m" else "code"), args[2], list(args[3:])
-    elif args[1].startswith("-") or not os.path.isfile(args[1]) or zipfile.is_zipfile(args[1]):
+        return ("module" if args[1] == "-m" else "code"), args[2], list(args[3:])
+    if args[1].startswith("-") or not os.path.isfile(args[1]) or zipfile.is_zipfile(args[1]):
         return None
-    else:
-        kind, entry, rest = "script", args[1], list(args[2:])
-    return [program, "-u", "-c", LOADER, BOOT, FD_PLACEHOLDER, kind, entry, ",".join(imports), *rest]
+    return "script", args[1], list(args[2:])
+
+
+def boot_argv(program: str, args: Sequence[str], imports: Sequence[str]) -> list[str] | None:
+    """The warm command for the cold command ``[program, *args]``, or ``None`` if it cannot be warm.
+
+    The command holds :data:`FD_PLACEHOLDER` where :class:`WarmProcess` puts its socket's fd; the commands that
+    qualify are :func:`entry_of`'s.
+    """
+    entry = entry_of(args)
+    if entry is None:
+        return None
+    kind, name, rest = entry
+    return [program, "-u", "-c", LOADER, BOOT, FD_PLACEHOLDER, kind, name, ",".join(imports), *rest]
 
 
 def entry_path0(args: Sequence[str]) -> str | None:

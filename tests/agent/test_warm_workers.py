@@ -1,4 +1,4 @@
-"""Warm workers (``rdzv-run --warm-workers``, :mod:`rdzv_agent.workers.warm`) start the same workers a cold start does.
+"""Warm workers (:mod:`rdzv_agent.workers.warm`, on by default) start the same workers a cold start does.
 
 Real ``rdzv-run`` launchers (``--standalone``) run ``agent_workers/warm_probe.py`` cold and warm, from the same
 directory with the same flags, and the tests compare what the workers saw (``sys.argv``, the environment but
@@ -6,7 +6,9 @@ for per-run values, ``__main__``, ``sys.path[0]``, cwd, pickling, signal disposi
 signal, scheduling, fds), how they ended (the launcher's failure lines: exit codes 1 and 3, a signal), the
 error file of ``@record``, tracebacks and output in the log files and on the console. Warm runs must have
 run every attempt in a warm process, restarts included. No warm process may outlive its launcher: normal
-exit, SIGTERM, ``kill -9``. A warm import that fails is a WARNING and a cold start.
+exit, SIGTERM, ``kill -9``. A warm import that fails is a WARNING and a cold start. By default (no flag) a
+script runs warm unless it changes what ``import torch`` reads before importing it
+(:mod:`rdzv_agent.workers.warm_check`); then every attempt is cold.
 """
 
 from __future__ import annotations
@@ -45,12 +47,15 @@ RUN_WITHIN = 120.0
 
 
 def _run(tmp_path, name, argv, *, warm, env=None, wait=True):
+    """A standalone launcher: ``warm`` True (``--warm-workers``), False (``--no-warm-workers``) or None (neither:
+    the default); the next warm generation is started as soon as the workers run (``RDZV_WARM_AFTER=0``)."""
     out = tmp_path / f"out-{name}"
     out.mkdir()
     log_dir = tmp_path / f"logs-{name}"
-    flags = ["--warm-workers"] if warm else []
+    flags = {True: ["--warm-workers"], False: ["--no-warm-workers"], None: []}[warm]
     launcher = Launcher(["--standalone", "--monitor-interval", "0.1", "--log-dir", str(log_dir), *flags, *argv],
-                        str(tmp_path), name, env={"WARM_PROBE_OUT": str(out), **(env or {})})
+                        str(tmp_path), name,
+                        env={"WARM_PROBE_OUT": str(out), "RDZV_WARM_AFTER": "0", **(env or {})})
     launcher.out, launcher.log_dir = str(out), str(log_dir)
     if wait:
         launcher.code = launcher.wait(RUN_WITHIN)
@@ -203,6 +208,26 @@ def test_no_warm_process_outlives_the_launcher(tmp_path, launchers, end):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prelude, warm", [
+    ("", True),
+    ("import os\nos.environ.setdefault('PROBE_SET_BEFORE_TORCH', '1')\n", False),
+], ids=["imports-first", "sets-env-before-torch"])
+def test_by_default_a_script_runs_warm_unless_it_changes_what_the_torch_import_reads(tmp_path, launchers,
+                                                                                      prelude, warm):
+    """No flag: every attempt (the first and a restart) is warm, or, for a script that sets a variable before
+    its ``import torch``, cold; the script runs and ends the same either way."""
+    with open(PROBE) as f:
+        (tmp_path / "warm_probe.py").write_text(f.read().replace("import ctypes\n", prelude + "import ctypes\n", 1))
+    launcher = _run(tmp_path, "default", ["--max-restarts", "1", "warm_probe.py", "exit3,ok"], warm=None)
+    launchers.append(launcher)
+    assert launcher.code == 0, launcher.tail()
+    reports = _reports(launcher)
+    assert sorted(reports) == ["0-0", "0-1"], launcher.tail()
+    assert [reports[k]["warm"] for k in ("0-0", "0-1")] == [warm, warm], launcher.tail()
+    assert ("PROBE_SET_BEFORE_TORCH" in reports["0-1"]["env"]) == (not warm)
+
+
+@pytest.mark.slow
 def test_a_warm_import_that_fails_is_a_warning_and_a_cold_start(tmp_path, launchers):
     shutil.copy(PROBE, tmp_path / "warm_probe.py")
     (tmp_path / "bad_warm_mod.py").write_text("raise RuntimeError('not importable here')\n")
@@ -222,12 +247,21 @@ def test_warm_flags(tmp_path, monkeypatch):
     script.write_text("")
     (tmp_path / "helper_mod.py").write_text("")
     monkeypatch.delenv("PET_WARM_WORKERS", raising=False)
-    assert _config(["--standalone", str(script)]).warm_imports is None  # off by default
-    assert _config(["--standalone", "--warm-workers", str(script)]).warm_imports == []
+    default = _config(["--standalone", str(script)])
+    assert (default.warm_imports, default.warm_checked, default.warm_after) == ([], True, 10.0)  # on, checked
+    asked = _config(["--standalone", "--warm-workers", str(script)])
+    assert (asked.warm_imports, asked.warm_checked) == ([], False)
+    assert _config(["--standalone", str(script)], {"RDZV_WARM_AFTER": "2.5"}).warm_after == 2.5
+    for bad in ("-1", "soon", "inf"):
+        with pytest.raises(ConfigError, match=f"RDZV_WARM_AFTER.*{bad}"):
+            _config(["--standalone", str(script)], {"RDZV_WARM_AFTER": bad})
     assert _config(["--standalone", "--warm-imports", "helper_mod,json", str(script)]).warm_imports == \
         ["helper_mod", "json"]  # found next to the script, as the workers' sys.path[0] will have it
+    monkeypatch.setenv("PET_WARM_WORKERS", "0")
+    assert _config(["--standalone", str(script)]).warm_imports is None
     monkeypatch.setenv("PET_WARM_WORKERS", "1")
-    assert _config(["--standalone", str(script)]).warm_imports == []
+    on = _config(["--standalone", str(script)])
+    assert (on.warm_imports, on.warm_checked) == ([], False)
     assert _config(["--standalone", "--no-warm-workers", str(script)]).warm_imports is None
     with pytest.raises(ConfigError, match="--warm-imports.*no_such_mod_xyz"):
         _config(["--standalone", "--warm-imports", "no_such_mod_xyz", str(script)])

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from benchmarks.trainer import read_records
+from benchmarks.trainer_records import read_records
 from tests.support.agent_workers.harness import REPO, Launcher, kill_run, pid_alive
 from tests.support.waiting import eventually
 from conformance_tests.etcd_server import EtcdServer

@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from benchmarks.trainer import read_records
+from benchmarks.trainer_records import read_records
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 from tests.support.agent_workers.harness import REPO, Launcher
 
