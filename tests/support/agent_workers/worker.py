@@ -22,11 +22,13 @@ Every run writes ``OUT/<RANK>-<pid>.json`` with the torchrun variables it saw
 --sigterm-race-rank R          rank R blocks SIGTERM, waits (at most 120 s) until the agent's
                                SIGTERM is pending, then exits with code 5 on its own: a
                                worker that fails by itself while the agent is stopping it
+                               (--fail-rank fails only once rank R has blocked SIGTERM)
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -89,6 +91,12 @@ def main() -> int:
             time.sleep(0.01)
         return 5
     if args.fail_rank == rank and (args.fail_times < 0 or restart < args.fail_times):
+        if args.sigterm_race_rank is not None:  # fail only once that rank blocks SIGTERM (its record is written)
+            deadline = time.monotonic() + 120
+            while not glob.glob(os.path.join(args.out, f"{args.sigterm_race_rank}-*.json")):
+                if time.monotonic() > deadline:
+                    return 9
+                time.sleep(0.01)
         if args.exit_code is not None:
             print(f"worker rank {rank}: {args.message}", file=sys.stderr, flush=True)
             return args.exit_code
