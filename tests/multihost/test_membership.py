@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from rdzv_agent.coordination import BARRIER_PREFIX
 from tests.support.agent_workers.harness import kill_run
 
 from tests.support.waiting import eventually
@@ -153,6 +154,10 @@ def test_a_node_that_dies_at_the_exit_barrier_does_not_disturb_the_others(job, l
     c_rank = job.records("C")[-1]["group_rank"]
     eventually(lambda: any(m.get("finished") for m in job.state().get("alive", []) if m.get("rank") == c_rank),
                30, "C marked finished at its barrier", job.tails)
+    # ... and counted in (its barrier key follows the mark: a node lost between the two writes holds the others
+    # at the barrier until its timeout): rdzv-run's key per group rank, torch's counter
+    arrived = f"{BARRIER_PREFIX}/arrived/{c_rank}" if launcher == "rdzv-run" else f"{BARRIER_PREFIX}/num_members"
+    eventually(lambda: job.round_store_has(arrived), 30, "C counted into the exit barrier", job.tails)
     job.nodes["C"].kill_all()
     killed = time.time()
     eventually(_training(job, ["A", "B"], 3, after=killed + 3 * TTL, steps=1), 60, "A and B training on",

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import uuid
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from typing import Any
 
 from benchmarks.trainer_records import read_records
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
+from rdzv_core.torch_api.store import KVStore
 from tests.support.agent_workers.harness import REPO, Launcher
 
 TRAINER = os.path.join(REPO, "benchmarks", "trainer.py")
@@ -89,6 +91,15 @@ class Job:
 
     def is_closed(self) -> bool:
         return self._observer().is_closed()
+
+    def round_store_has(self, key: str) -> bool:
+        """Whether the current round's store (the c10d Store the agents and workers share) holds ``key``."""
+        rdzv = self._observer()
+        state = rdzv.describe()
+        if not state.get("version"):
+            return False
+        store = KVStore(rdzv.kv, rdzv.store_prefix(state["version"], state.get("id")), datetime.timedelta(seconds=5))
+        return bool(store.check([key]))
 
     def close(self) -> None:
         if self._kv is not None:
