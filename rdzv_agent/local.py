@@ -68,6 +68,7 @@ from rdzv_core.errors import ConfigError
 from . import master_address
 from .api import DEFAULT_ROLE, MonitorResult, WorkerFailure, WorkerGroup, WorkerSpec, WorkerState
 from .launch import worker_options
+from .launch.args import RUN_PATH_CODE
 from .reporting.torch_events import prof
 from .simple import DEFAULT_EXIT_BARRIER_TIMEOUT, AgentEvent, SimpleElasticAgent
 from .supervision.hang_watch import DEFAULT_INTERVAL as PROGRESS_INTERVAL
@@ -274,9 +275,12 @@ class LocalElasticAgent(SimpleElasticAgent):
         entry = entry_of(args)
         if entry is None:
             return None
-        sources = entry_sources(entry[0], entry[1], [entry_path0(args) or "", *sys.path[1:]])
+        kind, name, rest = entry
+        if kind == "code" and name == RUN_PATH_CODE and rest:  # --run-path: the script runpy runs
+            kind, name = "script", rest[0]
+        sources = entry_sources(kind, name, [entry_path0(args) or "", *sys.path[1:]])
         if sources is None:
-            return f"the source of {entry[1]!r} cannot be read"
+            return f"the source of {name!r} cannot be read"
         found = reason_to_start_cold(sources)
         return None if found is None else f"{found} (--warm-workers: warm anyway)"
 

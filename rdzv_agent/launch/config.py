@@ -267,8 +267,8 @@ def _warm_after(environ: Mapping[str, str]) -> float:
         return WARM_AFTER
     try:
         return _non_negative_seconds(raw)
-    except argparse.ArgumentTypeError as exc:
-        raise ConfigError(WARM_AFTER_ENV, raw, str(exc)) from None
+    except argparse.ArgumentTypeError:
+        raise ConfigError(WARM_AFTER_ENV, raw, "must be a finite number of seconds >= 0") from None
 
 
 def _warm_imports(args: argparse.Namespace, program: str, program_args: Sequence[str],

@@ -63,7 +63,7 @@ def _strip_boot_frames(tb: types.TracebackType | None) -> types.TracebackType | 
 def _run(kind: str, entry: str, main_globals: dict[str, Any]) -> None:
     """Run the entry in ``__main__`` as ``python -u ENTRY`` / ``-m ENTRY`` / ``-c ENTRY`` does."""
     if kind == "script":
-        path = os.path.abspath(entry)
+        path = entry if os.path.isabs(entry) else os.path.join(os.getcwd(), entry)  # CPython's: joined, not normalized
         with open(path, "rb") as f:
             source = f.read()
         from importlib.machinery import SourceFileLoader

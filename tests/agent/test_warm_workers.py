@@ -173,6 +173,19 @@ def test_a_module_or_run_path_entry_runs_warm_exactly_as_cold(tmp_path, launcher
     assert "ValueError: plain failure" in stderr_log and "_warm_boot" not in stderr_log
 
 
+@pytest.mark.slow
+def test_a_script_path_through_dotdot_keeps_its_file_and_traceback_paths(tmp_path, launchers):
+    """``sub/../warm_probe.py``: ``__file__`` and the traceback's file name are the path joined to the cwd, not
+    normalized, as CPython gives them cold."""
+    shutil.copy(PROBE, tmp_path / "warm_probe.py")
+    (tmp_path / "sub").mkdir()
+    argv = ["--nproc-per-node", "1", "--redirects", "3", "sub/../warm_probe.py", "raise"]
+    runs = [_run(tmp_path, name, argv, warm=warm) for name, warm in (("cold", False), ("warm", True))]
+    launchers.extend(runs)
+    reports = _assert_same(*runs)
+    assert reports["0-0"]["file"] == str(tmp_path / "sub" / ".." / "warm_probe.py")
+
+
 def _warm_processes(marker):
     """Live warm processes (their command line names the warm boot) whose environment holds ``marker``."""
     found = []
@@ -208,17 +221,18 @@ def test_no_warm_process_outlives_the_launcher(tmp_path, launchers, end):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prelude, warm", [
-    ("", True),
-    ("import os\nos.environ.setdefault('PROBE_SET_BEFORE_TORCH', '1')\n", False),
-], ids=["imports-first", "sets-env-before-torch"])
+@pytest.mark.parametrize("prelude, entry, warm", [
+    ("", [], True),
+    ("", ["--run-path"], True),
+    ("import os\nos.environ.setdefault('PROBE_SET_BEFORE_TORCH', '1')\n", [], False),
+], ids=["imports-first", "run-path", "sets-env-before-torch"])
 def test_by_default_a_script_runs_warm_unless_it_changes_what_the_torch_import_reads(tmp_path, launchers,
-                                                                                      prelude, warm):
-    """No flag: every attempt (the first and a restart) is warm, or, for a script that sets a variable before
-    its ``import torch``, cold; the script runs and ends the same either way."""
+                                                                                      prelude, entry, warm):
+    """No flag: every attempt (the first and a restart) is warm (``--run-path``: the script it runs is read), or,
+    for a script that sets a variable before its ``import torch``, cold; the script runs and ends the same."""
     with open(PROBE) as f:
         (tmp_path / "warm_probe.py").write_text(f.read().replace("import ctypes\n", prelude + "import ctypes\n", 1))
-    launcher = _run(tmp_path, "default", ["--max-restarts", "1", "warm_probe.py", "exit3,ok"], warm=None)
+    launcher = _run(tmp_path, "default", ["--max-restarts", "1", *entry, "warm_probe.py", "exit3,ok"], warm=None)
     launchers.append(launcher)
     assert launcher.code == 0, launcher.tail()
     reports = _reports(launcher)
