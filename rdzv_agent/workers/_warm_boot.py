@@ -64,8 +64,13 @@ def _run(kind: str, entry: str, main_globals: dict[str, Any]) -> None:
     """Run the entry in ``__main__`` as ``python -u ENTRY`` / ``-m ENTRY`` / ``-c ENTRY`` does."""
     if kind == "script":
         path = entry if os.path.isabs(entry) else os.path.join(os.getcwd(), entry)  # CPython's: joined, not normalized
-        with open(path, "rb") as f:
-            source = f.read()
+        try:
+            with open(path, "rb") as f:
+                source = f.read()
+        except OSError as exc:  # gone or unreadable since the warm process started: CPython's words and status
+            sys.stderr.write(f"{sys.orig_argv[0]}: can't open file {path!r}: [Errno {exc.errno}] {exc.strerror}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
         from importlib.machinery import SourceFileLoader
 
         main_globals.update(__file__=path, __cached__=None, __loader__=SourceFileLoader("__main__", path))

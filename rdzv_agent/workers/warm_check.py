@@ -30,6 +30,7 @@ _CHANGING_CALLS = frozenset({
     "meta_path.insert", "meta_path.append", "path_hooks.insert", "path_hooks.append",
     "site.addsitedir", "sys.setdlopenflags",
     "warnings.filterwarnings", "warnings.simplefilter", "warnings.resetwarnings",
+    "load_dotenv", "dotenv.load_dotenv", "ctypes.CDLL", "cdll.LoadLibrary", "ctypes.PyDLL",
 })
 #: Names whose item or attribute assignment changes what an import sees.
 _CHANGING_TARGETS = frozenset({"environ", "path", "meta_path", "path_hooks", "modules"})
@@ -47,12 +48,14 @@ def _dotted(node: ast.expr) -> str:
     return ""
 
 
-def _imports_torch(stmt: ast.stmt) -> bool:
-    if isinstance(stmt, ast.Import):
-        return any(a.name == "torch" or a.name.startswith("torch.") for a in stmt.names)
-    if isinstance(stmt, ast.ImportFrom):
-        return stmt.level == 0 and stmt.module is not None and \
-            (stmt.module == "torch" or stmt.module.startswith("torch."))
+def _imports_torch(stmt: ast.AST) -> bool:
+    """Whether ``stmt`` imports torch when it runs (also inside a module-level ``try``/``if``/``with``)."""
+    for node in _walk_executed(stmt):
+        if isinstance(node, ast.Import) and any(a.name == "torch" or a.name.startswith("torch.") for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module is not None and \
+                (node.module == "torch" or node.module.startswith("torch.")):
+            return True
     return False
 
 
@@ -121,11 +124,11 @@ def reason_to_start_cold(sources: Sequence[tuple[str, str]]) -> str | None:
         except (SyntaxError, ValueError):
             return None
         for stmt in tree.body:
-            if _imports_torch(stmt):
-                return None
-            what = _changes(stmt)
+            what = _changes(stmt)  # a statement that imports torch is judged whole (its change may come first)
             if what is not None:
                 return f"{name} line {stmt.lineno}: {what} before importing torch"
+            if _imports_torch(stmt):
+                return None
     return f"{sources[-1][0] if sources else 'the entry point'} does not import torch at module level"
 
 

@@ -22,6 +22,11 @@ CHANGING = {
     "inside try": ("import os\ntry:\n    import x\nexcept ImportError:\n    os.environ['X'] = '1'\nimport torch\n", 2),
     "no torch import at all": ("import os\ndef main():\n    pass\nos.environ['X'] = '1'\n", 4),
     "class body runs": ("import os\nclass C:\n    os.environ['X'] = '1'\nimport torch\n", 2),
+    "dotenv": ("from dotenv import load_dotenv\nload_dotenv()\nimport torch\n", 2),
+    "a library loaded first": ("import ctypes\nctypes.CDLL('libgomp.so.1', mode=ctypes.RTLD_GLOBAL)\n"
+                               "import torch\n", 2),
+    "in the statement that imports": ("import os\ntry:\n    os.environ['X'] = '1'\n    import torch\n"
+                                      "except ImportError:\n    pass\n", 2),
 }
 UNCHANGED = {
     "after torch": "import os\nimport torch\nos.environ['X'] = '1'\n",
@@ -31,6 +36,8 @@ UNCHANGED = {
     "a local named path": "path = []\npath.append\nimport torch\n",
     "docstring and future": '"""Doc."""\nfrom __future__ import annotations\nimport torch as t\n',
     "syntax error": "import os\nos.environ[\n",
+    "torch in a module-level try": "import os\ntry:\n    import torch\nexcept ImportError:\n    torch = None\n"
+                                   "os.environ['X'] = '1'\n",
 }
 NO_TORCH = {
     "no torch": "import os, sys\nprint(os.environ)\n",

@@ -186,6 +186,23 @@ def test_a_script_path_through_dotdot_keeps_its_file_and_traceback_paths(tmp_pat
     assert reports["0-0"]["file"] == str(tmp_path / "sub" / ".." / "warm_probe.py")
 
 
+@pytest.mark.slow
+def test_a_script_gone_before_a_warm_restart_fails_as_python_does(tmp_path, launchers):
+    """The script renames itself and fails; its restart cannot open it: ``python: can't open file ...``, exit 2,
+    warm as cold (a warm process read the file only when activated)."""
+    script = "import os, sys, torch\nif os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n" \
+             "    os.rename(__file__, __file__ + '.moved')\n    sys.exit(3)\n"
+    runs = []
+    for name, warm in (("cold", False), ("warm", True)):
+        (tmp_path / "gone.py").write_text(script)
+        runs.append(_run(tmp_path, name, ["--max-restarts", "1", "--redirects", "3", "gone.py"], warm=warm))
+        launchers.append(runs[-1])
+    assert runs[0].code == runs[1].code == 1, runs[1].tail()
+    assert _failure_lines(runs[0].stderr()) == _failure_lines(runs[1].stderr())
+    logs = [{k: v for k, v in _logs(run).items() if k.startswith("attempt_1/")} for run in runs]
+    assert logs[0] == logs[1] and "can't open file" in logs[0]["attempt_1/0/stderr.log"], logs
+
+
 def _warm_processes(marker):
     """Live warm processes (their command line names the warm boot) whose environment holds ``marker``."""
     found = []

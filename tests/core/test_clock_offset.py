@@ -47,7 +47,7 @@ from rdzv_core import EventType, RendezvousParams, list_backends, open_backend
 
 LIBFAKETIME = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"  # Debian amd64 path
 OFFSET = 30.0  #: seconds the subprocess's clock runs ahead
-TTL = 2.0  #: keep_alive_ttl (seconds): a refresh every 0.67 s, so a starved thread on a loaded machine is no lapse
+TTL = 3.0  #: keep_alive_ttl (seconds): a refresh every 1 s; a refresh thread starved for 3 s would be a real lapse
 START = 60.0  #: seconds for the subprocess to start and the round to form (a loaded 2-core machine)
 
 pytestmark = pytest.mark.skipif(not os.path.exists(LIBFAKETIME),
