@@ -149,7 +149,7 @@ class LaunchConfig:
     #: changes nothing torch's import reads before it imports torch (:mod:`rdzv_agent.workers.warm_check`).
     warm_checked: bool = False
     #: ``RDZV_WARM_AFTER``: seconds the workers run before the next warm generation is started.
-    warm_after: float = 10.0
+    warm_after: float = WARM_AFTER
 
     @property
     def url(self) -> RendezvousURL | None:
@@ -245,15 +245,14 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         progress_interval=interval_from_env(environ),
         keep_orphans=bool(getattr(args, "keep_orphans", False)),
         warm_imports=_warm_imports(args, program, program_args, environ),
-        warm_checked=_warm_by_default(args, environ),
+        warm_checked=not _warm_asked(args),
         warm_after=_warm_after(environ),
     )
 
 
-def _warm_by_default(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
-    """Warm workers are on by default, not asked for: neither flag nor a non-zero ``PET_WARM_WORKERS``."""
-    return not getattr(args, "warm_workers", False) and getattr(args, "warm_imports", None) is None \
-        and not environ.get("PET_WARM_WORKERS", "").strip()
+def _warm_asked(args: argparse.Namespace) -> bool:
+    """Warm workers asked for: ``--warm-workers`` (or a non-zero ``PET_WARM_WORKERS``) or ``--warm-imports``."""
+    return bool(getattr(args, "warm_workers", False)) or getattr(args, "warm_imports", None) is not None
 
 
 def _warm_after(environ: Mapping[str, str]) -> float:
@@ -289,8 +288,7 @@ def _warm_imports(args: argparse.Namespace, program: str, program_args: Sequence
             raise ConfigError(as_given(args, "--warm-imports"), ",".join(imports),
                               "needs warm workers, which --no-warm-workers turns off")
         return None
-    if imports is None and not getattr(args, "warm_workers", False) and \
-            environ.get("PET_WARM_WORKERS", "").strip():
+    if not _warm_asked(args) and environ.get("PET_WARM_WORKERS", "").strip():
         return None  # PET_WARM_WORKERS=0 (an integer other than 0 sets the flag)
     path0 = entry_path0(program_args)
     if path0 is not None and program == sys.executable and PYTHON_EXEC_ENV not in environ:

@@ -153,7 +153,7 @@ def entry_sources(kind: str, entry: str, path: Sequence[str]) -> list[tuple[str,
         text = _read(entry)
         return None if text is None else [(entry, text)]
     found: list[tuple[str, str]] = []
-    search: Sequence[str] | None = list(path)
+    search: list[str] = list(path)
     parts = entry.split(".")
     for i in range(len(parts)):
         spec = importlib.machinery.PathFinder.find_spec(".".join(parts[:i + 1]), search)
