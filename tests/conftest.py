@@ -13,11 +13,12 @@ Modules marked ``launchers`` start launchers (``rdzv-run``, ``torchrun``: ``impo
 torch workers; most other tests wait (TTLs, last calls, partitions) far more than they compute. Under
 ``pytest -n N --dist loadgroup`` (``scripts/test.sh`` with a selection) the launcher tests are split by test id
 into :data:`LAUNCHER_STREAMS` groups, each run by one worker, so at most that many run at once while the other
-workers take the waiting tests (docs/testing.md, "Suite time"). The full run uses ``-n 2`` and ignores the groups.
+workers take the waiting tests (docs/testing.md, "Suite time").
 """
 
 from __future__ import annotations
 
+import sys
 import zlib
 
 import pytest
@@ -85,3 +86,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Fail the run when ``--dist loadgroup`` would not group: xdist marks a grouped test by appending
+    ``@group`` to its node id on the worker, which pytest 9.2's structured node ids ignore (pytest-xdist#1386),
+    and the tests would then be spread over every worker without a word.
+
+    Raises:
+        pytest.UsageError: on an xdist worker under ``--dist loadgroup``, a test marked ``xdist_group`` kept its
+            plain node id.
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return
+    for item in session.items:
+        if item.get_closest_marker("xdist_group") is not None and "@" not in item.nodeid.rsplit("]", 1)[-1]:
+            message = (f"--dist loadgroup does not group with pytest {pytest.__version__} ({item.nodeid} has no "
+                       "'@group' suffix; pytest-xdist#1386): install the test extra's pytest (<9.2)")
+            print(message, file=sys.stderr)  # xdist's controller does not show a worker's UsageError
+            raise pytest.UsageError(message)
