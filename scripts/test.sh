@@ -65,14 +65,15 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
 else
   # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
   # scenarios (real launchers and workers), the Slurm jobs (marker scheduler) and the benchmarks' smoke runs run in
-  # a second pytest next to the main one (together they keep both cores busy: docs/testing.md, "Suite time"); its
-  # report follows the main one's.
+  # a second pytest next to the main one; its report follows the main one's. Both use --dist loadgroup: the tests
+  # marked `launchers` (CPU-bound: launchers and torch workers) run in at most two streams in the main run and one in
+  # the second, the other workers take the tests that mostly wait (docs/testing.md, "Suite time").
   mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" -m "multihost or membership or benchmark or scheduler" --durations=10 > "$mh_log" 2>&1 &
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --dist loadgroup --launcher-streams 1 --durations=10 \
+    -m "multihost or membership or benchmark or scheduler" > "$mh_log" 2>&1 &
   mh_pid=$!
-  # The main run: 2 workers (at -n 4 --dist loadgroup, with two of them on launcher tests, the machine ran at a
-  # load of 8 beside the second run and timing tests failed: docs/testing.md, "Suite time").
-  .venv/bin/python -m pytest "${args[@]}" -n 2 --durations=15 -m "not multihost and not membership and not benchmark and not scheduler"
+  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
+    -m "not multihost and not membership and not benchmark and not scheduler"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
   echo "== multi-host, membership, scheduler and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"

@@ -11,10 +11,9 @@ watch and TTL (``tests/multihost/test_membership.py``: a frozen node, a spare) a
 
 Modules marked ``launchers`` start launchers (``rdzv-run``, ``torchrun``: ``import torch``, 2-3 s of CPU each) or
 torch workers; most other tests wait (TTLs, last calls, partitions) far more than they compute. Under
-``pytest -n N --dist loadgroup`` (``scripts/test.sh`` with a selection) the launcher tests are split by test id
-into :data:`LAUNCHER_STREAMS` groups, each run by one worker, so at most that many run at once while the other
-workers take the waiting tests (docs/testing.md, "Suite time").
-"""
+``pytest -n N --dist loadgroup`` (``scripts/test.sh``: both of its runs, and a selection) the launcher tests are
+split by test id into ``--launcher-streams`` groups (default :data:`LAUNCHER_STREAMS`), each run by one worker, so
+at most that many run at once while the other workers take the waiting tests (docs/testing.md, "Suite time")."""
 
 from __future__ import annotations
 
@@ -27,7 +26,8 @@ import pytest
 AGENT_SCENARIO_BACKENDS = ("file",)
 #: The scheme a launcher-level test without a ``file`` variant runs over.
 AGENT_SCENARIO_FALLBACK = "redis"
-#: Launcher tests (marker ``launchers``) that run at once under ``--dist loadgroup``: one per core here.
+#: Launcher tests (marker ``launchers``) that run at once under ``--dist loadgroup`` by default: one per core here
+#: (``--launcher-streams N`` to choose).
 LAUNCHER_STREAMS = 2
 
 
@@ -35,13 +35,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--rdzv-every-backend", action="store_true", default=False,
                      help="run the agent_scenario tests over every --rdzv-url, not only "
                           f"{', '.join(AGENT_SCENARIO_BACKENDS)}")
+    parser.addoption("--launcher-streams", type=int, default=LAUNCHER_STREAMS, metavar="N",
+                     help="under --dist loadgroup, run the launchers tests in N groups: at most N at once "
+                          f"(default {LAUNCHER_STREAMS})")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "agent_scenario: launcher-level scenario, run over "
                             f"{' and '.join(AGENT_SCENARIO_BACKENDS)} only (tests/conftest.py)")
     config.addinivalue_line("markers", "launchers: starts launchers or torch workers (CPU-bound); under --dist "
-                            f"loadgroup at most {LAUNCHER_STREAMS} run at once (tests/conftest.py)")
+                            "loadgroup at most --launcher-streams run at once (tests/conftest.py)")
 
 
 def _backend_of(item: pytest.Item) -> str | None:
@@ -54,8 +57,8 @@ def _backend_of(item: pytest.Item) -> str | None:
     return backend if isinstance(backend, str) else None
 
 
-def _group_launcher_tests(items: list[pytest.Item]) -> None:
-    """Give each ``launchers`` test one of :data:`LAUNCHER_STREAMS` ``xdist_group`` names, by a stable hash of
+def _group_launcher_tests(items: list[pytest.Item], streams: int) -> None:
+    """Give each ``launchers`` test one of ``streams`` ``xdist_group`` names, by a stable hash of
     its id (every xdist worker must compute the same groups), and the ``scheduler`` tests one group (one Slurm
     cluster); ``--dist loadgroup`` runs a group on one worker."""
     for item in items:
@@ -64,13 +67,16 @@ def _group_launcher_tests(items: list[pytest.Item]) -> None:
         if item.get_closest_marker("scheduler") is not None:
             item.add_marker(pytest.mark.xdist_group("scheduler"))
         elif item.get_closest_marker("launchers") is not None:
-            stream = zlib.crc32(item.nodeid.encode()) % LAUNCHER_STREAMS
+            stream = zlib.crc32(item.nodeid.encode()) % streams
             item.add_marker(pytest.mark.xdist_group(f"launchers-{stream}"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _group_launcher_tests(items)
+    streams = config.getoption("--launcher-streams")
+    if streams < 1:
+        raise pytest.UsageError(f"--launcher-streams: {streams} is not a positive number of streams")
+    _group_launcher_tests(items, streams)
     if config.getoption("--rdzv-every-backend"):
         return
     def test_of(item: pytest.Item) -> str:

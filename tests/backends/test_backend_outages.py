@@ -32,7 +32,7 @@ from conformance_tests.redis_server import RedisServer
 from conformance_tests.servers import ServerProcess
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
 
-pytestmark = [pytest.mark.slow, pytest.mark.membership]
+pytestmark = [pytest.mark.slow, pytest.mark.membership, pytest.mark.launchers]
 
 TRAINER = os.path.join(REPO, "benchmarks", "trainer.py")
 TTL = 2.0  # keep_alive_ttl of these runs (seconds)

@@ -36,7 +36,7 @@ from tests.support.kubernetes_cluster import PodCluster, RunningPod
 from tests.support.kubernetes_pods import find, load
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.multihost
+pytestmark = [pytest.mark.multihost, pytest.mark.launchers]
 
 EXAMPLES = os.path.join(REPO, "examples", "kubernetes")
 PYTORCHJOB = load(os.path.join(EXAMPLES, "pytorchjob-elastic.yaml"))

@@ -21,7 +21,7 @@ from tests.support.agent_workers.harness import kill_run
 from tests.support.waiting import eventually
 from tests.support.membership_jobs import START, TORCHRUN_BACKEND, TTL, Backend, Job
 
-pytestmark = [pytest.mark.slow, pytest.mark.membership]
+pytestmark = [pytest.mark.slow, pytest.mark.membership, pytest.mark.launchers]
 
 @pytest.fixture(params=list(TORCHRUN_BACKEND))
 def backend(request, tmp_path) -> Backend:

@@ -18,7 +18,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RDZV_TARGETS = ("memory", "file", "redis", "etcd-v2", "etcd-v3")
 
-pytestmark = [pytest.mark.slow, pytest.mark.benchmark, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.benchmark, pytest.mark.launchers, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
