@@ -10,6 +10,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# The tests of the full run's second pytest (below); the edit loop and the main run leave them out.
+second="multihost or membership or benchmark or scheduler"
+
 # --quick: the edit loop (about 2-3 min on 2 cores): ruff, then the conformance suite (protocol, state machine,
 # store, faults it can run) over memory:// only, and the core unit tests (tests/core/ but the clock-offset test,
 # which needs real servers and libfaketime). No installs: it uses the .venv the full run made.
@@ -18,7 +21,7 @@ if [ "${1:-}" = "--quick" ]; then
   [ -x .venv/bin/python ] || { echo "scripts/test.sh --quick: no .venv; run scripts/test.sh once" >&2; exit 1; }
   .venv/bin/ruff check rdzv_core rdzv_backends rdzv_agent rdzv_admin conformance_tests tests || exit 1
   .venv/bin/python -m pytest -p no:cacheprovider --rdzv-url "memory://conformance/" -n 2 -q \
-    -m "not multihost and not membership and not benchmark and not scheduler" \
+    -m "not ($second)" \
     --ignore tests/core/test_clock_offset.py conformance_tests tests/core "$@"
   rc=$?
   [ "$rc" -eq 5 ] && { echo "scripts/test.sh --quick: pytest collected no tests (exit 5) - treating as a failure" >&2; exit 1; }
@@ -70,13 +73,13 @@ else
   # the second, the other workers take the tests that mostly wait (docs/testing.md, "Suite time").
   mh_log=$(mktemp)
   .venv/bin/python -m pytest "${args[@]}" -n 2 --dist loadgroup --launcher-streams 1 --durations=10 \
-    -m "multihost or membership or benchmark or scheduler" > "$mh_log" 2>&1 &
+    -m "$second" > "$mh_log" 2>&1 &
   mh_pid=$!
   .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
-    -m "not multihost and not membership and not benchmark and not scheduler"
+    -m "not ($second)"
   rc=$?
   wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host, membership, scheduler and benchmark-smoke tests (pytest -m 'multihost or membership or benchmark or scheduler'), exit $mh_rc"
+  echo "== multi-host, membership, scheduler and benchmark-smoke tests (pytest -m '$second'), exit $mh_rc"
   cat "$mh_log"; rm -f "$mh_log"
   if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
     [ "$mh_rc" -ne 0 ] && rc=$mh_rc
