@@ -11,7 +11,7 @@ watch and TTL (``tests/multihost/test_membership.py``: a frozen node, a spare) a
 
 Modules marked ``launchers`` start launchers (``rdzv-run``, ``torchrun``: ``import torch``, 2-3 s of CPU each) or
 torch workers; most other tests wait (TTLs, last calls, partitions) far more than they compute. Under
-``pytest -n N --dist loadgroup`` (``scripts/test.sh``: both of its runs, and a selection) the launcher tests are
+``pytest -n N --dist loadgroup`` (``scripts/test.sh``: its main run, and a selection) the launcher tests are
 split by test id into ``--launcher-streams`` groups (default :data:`LAUNCHER_STREAMS`), each run by one worker, so
 at most that many run at once while the other workers take the waiting tests (docs/testing.md, "Suite time")."""
 
