@@ -65,7 +65,9 @@ class Responsiveness:
     Fed with the client's regular calls (:meth:`begin` at the start of each, :meth:`record` at its end): a
     call that failed, took longer than ``slow`` seconds, or started more than ``max_gap`` seconds after the
     previous one ended (the client, or its process, was held up) restarts the period at the call's end; a
-    call still in flight after ``slow`` seconds breaks it now. The rendezvous judges a missing keep-alive
+    call still in flight after ``slow`` seconds, or no call begun for more than ``max_gap`` seconds (the
+    process was paused or starved and its next call has not run yet), breaks it now, until :meth:`idle`
+    says the calls stopped on purpose. The rendezvous judges a missing keep-alive
     key a real loss only once the period spans a whole keep-alive TTL (``docs/design.md``, "The backend
     away"): a key that vanished while the backend was away from everybody gets the same TTL to be written
     again that a member always has.
@@ -81,7 +83,8 @@ class Responsiveness:
         self.slow, self.max_gap = slow, max_gap
         self._since = time.monotonic()
         self._broken = -float("inf")
-        self._last: float | None = None
+        self._last = self._since  # when the last call ended (at first: when the calls were set up)
+        self._idle = False
         self._inflight: list[float] = []  # start times of calls begun and not yet recorded
         self._lock = threading.Lock()
 
@@ -97,11 +100,11 @@ class Responsiveness:
         with self._lock:
             if started in self._inflight:
                 self._inflight.remove(started)
-            held_up = self._last is not None and started - self._last > self.max_gap
+            held_up = started - self._last > self.max_gap
             if not ok or ended - started > self.slow or held_up:
                 self._since = max(self._since, ended)
                 self._broken = max(self._broken, ended)
-            self._last = max(self._last or ended, ended)
+            self._last = max(self._last, ended)
 
     def broken(self) -> None:
         """The backend failed to answer just now: the period restarts now."""
@@ -109,21 +112,31 @@ class Responsiveness:
         with self._lock:
             self._since, self._broken = max(self._since, now), max(self._broken, now)
 
+    def idle(self) -> None:
+        """The calls stopped on purpose (e.g. a keep-alive stopped): the time since the last one is no hold-up."""
+        with self._lock:
+            self._idle = True
+
     def _stalled_now(self) -> float:
-        """Now if a call has been in flight longer than ``slow``, else ``-inf`` (lock held)."""
+        """Now if a call has been in flight longer than ``slow`` or began more than ``max_gap`` seconds after
+        the previous one ended, or none was begun for longer than that while the calls go on; else ``-inf``
+        (lock held)."""
         now = time.monotonic()
-        return now if self._inflight and now - min(self._inflight) > self.slow else -float("inf")
+        if self._inflight:
+            first = min(self._inflight)
+            return now if now - first > self.slow or first - self._last > self.max_gap else -float("inf")
+        return now if not self._idle and now - self._last > self.max_gap else -float("inf")
 
     @property
     def since(self) -> float:
         """``time.monotonic()`` since which every call answered promptly (the start, if none failed yet;
-        now, while a call is stalled)."""
+        now, while a call is stalled or overdue)."""
         with self._lock:
             return max(self._since, self._stalled_now())
 
     @property
     def last_break(self) -> float:
         """``time.monotonic()`` of the last failed, stalled or held-up call (``-inf`` if none; now, while a
-        call is stalled)."""
+        call is stalled or overdue)."""
         with self._lock:
             return max(self._broken, self._stalled_now())

@@ -70,8 +70,8 @@ class KeepAlive:
         lapsed: ``threading.Event`` set once the key was found gone (expired or deleted).
         recreated: how many times the key was written again after it lapsed (int).
         responsiveness: :class:`~rdzv_core.outage.Responsiveness` of the refreshes: since when they
-            answered on time (a refresh slower than ``ttl / 3``, a failure, or a refresh started more
-            than ``2 ttl / 3`` after the previous one restarts it).
+            answered on time (a refresh slower than ``ttl / 3``, a failure, or a refresh started -- or
+            still not started -- more than ``2 ttl / 3`` after the previous one restarts it).
 
     Raises:
         ConfigError: ``ttl`` is not a positive number.
@@ -124,6 +124,7 @@ class KeepAlive:
         """
         with self._lock:
             self._stopped = self._ended = True
+        self.responsiveness.idle()
         if self._here() and self._worker is not threading.current_thread():
             if not self._idle.wait(STOP_WAIT):
                 log.warning("keep-alive %s: a refresh of %s still runs %.0f s after stop()",
@@ -143,6 +144,7 @@ class KeepAlive:
         with self._lock:
             if wait is None:
                 self._ended = True
+                self.responsiveness.idle()
             elif not self._ended:
                 self._scheduler.add(self, time.monotonic() + wait)
             self._idle.set()

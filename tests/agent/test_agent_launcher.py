@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 
 import psutil
@@ -25,6 +26,7 @@ from rdzv_agent.launch import args as launch_args
 from rdzv_agent.launch import config as launch_config
 from rdzv_agent.launch.launcher import main
 from rdzv_agent.master_address import choose_port
+from rdzv_core.outage import LATEST_JUDGEMENT
 
 pytestmark = [pytest.mark.agent_scenario, pytest.mark.launchers]  # over file:// and redis:// only (tests/conftest.py)
 
@@ -448,3 +450,24 @@ def test_a_signal_whose_exception_was_lost_still_stops_the_launcher(procs, tmp_p
     rec = eventually(lambda: records(out), 120, "the worker to start", launcher.tail)[0]
     assert launcher.wait(60) == 128 + signal.SIGTERM, launcher.tail()
     eventually(lambda: not pid_alive(rec["pid"]), 30, "the worker to be gone", launcher.tail)
+
+
+def test_a_standalone_node_paused_past_its_keep_alive_ttl_keeps_its_workers(procs, tmp_path):
+    """The whole node (launcher and worker) SIGSTOPped for three keep-alive TTLs, then SIGCONTed (a VM paused,
+    a host too loaded to run the agent): its own key lapsed, but nobody else saw it lapse, so the agent writes it
+    again and the workers run on -- started once, exit 0 -- as torchrun's do."""
+    ttl = 1.0
+    out, gate = str(tmp_path / "out"), str(tmp_path / "gate")
+    launcher = procs.start(["--standalone", "--rdzv-conf", f"keep_alive_ttl={ttl:g}", "--monitor-interval", "0.1",
+                            WORKER, "--out", out, "--wait-for", gate], "node")
+    eventually(lambda: records(out), 120, "the worker to start", launcher.tail)
+    frozen = launcher.freeze()
+    try:
+        time.sleep(3 * ttl)  # the pause itself
+    finally:
+        for pid in frozen:
+            os.kill(pid, signal.SIGCONT)
+    time.sleep(LATEST_JUDGEMENT * ttl + 1.0)  # the window in which a lapse would be judged and the round destroyed
+    open(gate, "w").close()
+    assert launcher.wait(120) == 0, launcher.tail()
+    assert len(records(out)) == 1, f"the worker was started again: {records(out)}\n{launcher.tail()}"

@@ -198,7 +198,7 @@ def test_a_script_gone_before_a_warm_restart_fails_as_python_does(tmp_path, laun
         runs.append(_run(tmp_path, name, ["--max-restarts", "1", "--redirects", "3", "gone.py"], warm=warm))
         launchers.append(runs[-1])
     assert runs[0].code == runs[1].code == 1, runs[1].tail()
-    assert _failure_lines(runs[0].stderr()) == _failure_lines(runs[1].stderr())
+    assert _failure_lines(runs[0].stderr()) == _failure_lines(runs[1].stderr()), runs[0].tail() + runs[1].tail()
     logs = [{k: v for k, v in _logs(run).items() if k.startswith("attempt_1/")} for run in runs]
     assert logs[0] == logs[1] and "can't open file" in logs[0]["attempt_1/0/stderr.log"], logs
 

@@ -44,6 +44,7 @@ these tests by ``conformance_tests/reliability_table.py``.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.support.fault_agents import AgentGroup, AgentProcess
+from tests.support.waiting import eventually
 from rdzv_core import (
     Rendezvous,
     RendezvousClosedError,
@@ -61,6 +63,7 @@ from rdzv_core import (
     open_backend,
     parse_backend_url,
 )
+from rdzv_core.outage import LATEST_JUDGEMENT
 from rdzv_core.rendezvous import RoundRecord, RunKeys, Status
 
 pytestmark = [pytest.mark.slow, pytest.mark.launchers]
@@ -213,6 +216,53 @@ def test_survivors_reform_after_an_agent_dies(phase: str, new_run, rdzv_base_url
         record_property(f"{name}_recovery_s", round(elapsed, 2))
         problems += found
     assert not problems, "\n".join(problems) + "\n" + group.describe()
+
+
+def test_a_round_stands_when_all_its_members_were_frozen_past_the_ttl(new_run, rdzv_base_url: str,
+                                                                     group: AgentGroup) -> None:
+    """All three members of a final round SIGSTOPped until the backend expired every keep-alive key (a host
+    or VM paused, an overloaded machine that ran none of them), then SIGCONTed together: nobody outside the
+    round saw a member lapse, so each member writes its key again and the round stands -- the same record
+    for :data:`~rdzv_core.outage.LATEST_JUDGEMENT` TTLs after the thaw, every key back. A member that wakes
+    must not judge the keys missing while its own keep-alive has not run since."""
+    scheme = rdzv_base_url.split("://", 1)[0]
+    resolution = list_backends()[scheme].spec.capabilities.ttl_resolution
+    url = new_run()
+    deadline = time.monotonic() + START
+    agents = [group.start(f"A{i}", url) for i in range(3)]
+    for agent in agents:
+        agent.wait_for("ready", deadline)
+    agents[0].send("round")  # rank 0 first: it holds ticket 1 whatever the timing
+    agents[0].wait_for("progress", deadline, match=lambda d: d["phase"] == "joining")
+    for agent in agents[1:]:
+        agent.send("round")
+    assert len({a.wait_for("round", deadline)[1].data["version"] for a in agents}) == 1, group.describe()
+    keys = RunKeys("torchelastic/p2p", parse_backend_url(url)[1].run_id)
+    with open_backend(url) as kv:
+        before = kv.get(keys.round_record)
+        record = RoundRecord.decode(before)
+        alive = keys.alive_dir(record.version, record.id)
+        for agent in agents:
+            os.kill(agent.proc.pid, signal.SIGSTOP)
+        try:
+            eventually(lambda: not kv.list(alive)[0], TTL + resolution + START, "every keep-alive key expired",
+                       group.describe)
+        finally:
+            for agent in agents:
+                os.kill(agent.proc.pid, signal.SIGCONT)
+        window_end = time.monotonic() + LATEST_JUDGEMENT * TTL + resolution + MARGIN
+        under = keys.round_record.rsplit("/", 1)[0] + "/"
+        revision = kv.list(under)[1]
+        while (left := window_end - time.monotonic()) > 0:  # a change of the record ends the wait early
+            events = kv.watch(under, revision, left)
+            if any(e.key == keys.round_record for e in events):
+                break
+            revision = max([revision, *(e.revision for e in events)])
+        after = kv.get(keys.round_record)
+        assert after is not None and after.revision == before.revision, \
+            f"the round was destroyed or rewritten after the thaw: {after}\n{group.describe()}"
+        assert len(kv.list(alive)[0]) == 3, f"keep-alive keys not written again: {kv.list(alive)[0]}"
+    assert not [e for a in agents for e in a.events if e.kind == "error"], group.describe()
 
 
 @pytest.mark.parametrize("replacement", ["closed", "setup"])

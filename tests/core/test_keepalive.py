@@ -28,6 +28,7 @@ from conformance_tests.agents import quiet
 from conformance_tests.proxy import Mode, TCPProxy
 from rdzv_core import EventType, KVBackend, list_backends, open_backend
 from rdzv_core.errors import ConfigError
+from rdzv_core.outage import Responsiveness
 from rdzv_core.rendezvous.keepalive import REFRESH_WORKERS, THREAD_PREFIX, KeepAlive
 
 TTL = 1.5  #: keep-alive TTL (seconds): a refresh every 0.5 s, 1 s of slack per refresh on a loaded machine
@@ -192,3 +193,24 @@ def test_a_ttl_that_is_not_positive_is_refused(memory: KVBackend, ttl: float) ->
     with pytest.raises(ConfigError) as info:
         KeepAlive(memory, "keepalive/x", ttl)
     assert info.value.field == "ttl"
+
+
+def test_an_overdue_refresh_counts_as_a_break_until_the_keep_alive_stops() -> None:
+    """``Responsiveness``: no call begun for longer than ``max_gap`` (a paused process whose next refresh has not
+    run yet) breaks the period now, and so does a late call still in flight; a stopped keep-alive (``idle``)
+    vouches as it last did."""
+    answers = Responsiveness(slow=10.0, max_gap=0.1)
+    answers.record(started := answers.begin(), time.monotonic(), ok=True)
+    assert answers.since <= started
+    pause_end = time.monotonic() + 0.15
+    while (now := time.monotonic()) < pause_end:  # no call for longer than max_gap
+        time.sleep(pause_end - now)
+    assert answers.since >= pause_end and answers.last_break >= pause_end
+    late = answers.begin()  # the overdue call runs: still a break while in flight
+    assert answers.since >= late
+    answers.record(late, ended := time.monotonic(), ok=True)
+    assert answers.since == ended  # the period restarts at the late call's end
+    answers.idle()
+    while (now := time.monotonic()) < ended + 0.15:
+        time.sleep(ended + 0.15 - now)
+    assert answers.since == ended  # stopped on purpose: no hold-up
