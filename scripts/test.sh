@@ -10,8 +10,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# The tests of the full run's second pytest (below); the edit loop and the main run leave them out.
-second="multihost or membership or benchmark or scheduler"
+# The tests the full run keeps out of its main pytest (below), and so does the edit loop: the hosts in network
+# namespaces and the Slurm cluster (they mostly wait), and the membership and benchmark scenarios (real launchers
+# and trainers: CPU-bound).
+hosts="multihost or scheduler"
+scenarios="membership or benchmark"
+second="$hosts or $scenarios"
 
 # --quick: the edit loop (about 2-3 min on 2 cores): ruff, then the conformance suite (protocol, state machine,
 # store, faults it can run) over memory:// only, and the core unit tests (tests/core/ but the clock-offset test,
@@ -66,24 +70,27 @@ if [ "$#" -gt 0 ]; then  # a selection of the caller's: one pytest
   .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 "$@"
   rc=$?
 else
-  # The multi-host scenarios (marker multihost: hosts in network namespaces, docs/networking.md), the membership
-  # scenarios (real launchers and workers), the Slurm jobs (marker scheduler) and the benchmarks' smoke runs run in
-  # a second pytest (one worker) next to the main one; its report follows the main one's. The main run uses
-  # --dist loadgroup: the tests marked `launchers` (CPU-bound: launchers and torch workers) run in at most two
-  # streams, the other workers take the tests that mostly wait. Running the second pytest grouped too (-n 2
-  # --launcher-streams 1) was faster but kept the load at 8-10 and failed timing tests (docs/testing.md, "Suite time").
-  mh_log=$(mktemp)
-  .venv/bin/python -m pytest "${args[@]}" --durations=10 -m "$second" > "$mh_log" 2>&1 &
-  mh_pid=$!
-  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 \
-    -m "not ($second)"
-  rc=$?
-  wait "$mh_pid"; mh_rc=$?
-  echo "== multi-host, membership, scheduler and benchmark-smoke tests (pytest -m '$second'), exit $mh_rc"
-  cat "$mh_log"; rm -f "$mh_log"
-  if [ "$rc" -eq 0 ] || [ "$rc" -eq 5 ]; then
-    [ "$mh_rc" -ne 0 ] && rc=$mh_rc
-  fi
+  # Three pytests. The main one (-n 4 --dist loadgroup: the tests marked `launchers`, CPU-bound, run in at most two
+  # streams, one per core; the other workers take the tests that mostly wait) runs beside the host tests (marker
+  # multihost or scheduler, but not the scenarios: one worker, mostly waiting); the membership and benchmark
+  # scenarios (launchers and trainers on every core) run once the main pytest is done, grouped at -n 2. Their
+  # reports follow the main one's. Why this split: docs/testing.md, "Suite time".
+  hosts_log=$(mktemp)
+  .venv/bin/python -m pytest "${args[@]}" --durations=10 -m "($hosts) and not ($scenarios)" > "$hosts_log" 2>&1 &
+  hosts_pid=$!
+  .venv/bin/python -m pytest "${args[@]}" -n 4 --dist loadgroup --durations=15 -m "not ($second)"
+  main_rc=$?
+  echo "== membership and benchmark scenarios (pytest -m '$scenarios')"
+  .venv/bin/python -m pytest "${args[@]}" -n 2 --dist loadgroup --durations=10 -m "$scenarios"
+  scenarios_rc=$?
+  wait "$hosts_pid"; hosts_rc=$?
+  echo "== multi-host and scheduler tests (pytest -m '($hosts) and not ($scenarios)'), exit $hosts_rc"
+  cat "$hosts_log"; rm -f "$hosts_log"
+  rc=0  # the first failure, else 5 if a pytest collected nothing
+  for one in "$main_rc" "$scenarios_rc" "$hosts_rc"; do
+    if [ "$one" -ne 0 ] && [ "$one" -ne 5 ]; then rc=$one; break; fi
+    [ "$one" -eq 5 ] && rc=5
+  done
 fi
 if [ "$rc" -eq 0 ]; then  # the plugin's own tests (URL rules, auth, TLS, kill/restart)
   (cd examples/rdzv-postgres && ../../.venv/bin/python -m pytest -p no:cacheprovider -q tests) || rc=$?
