@@ -22,8 +22,9 @@ from tests.support.agent_workers.harness import (
 from tests.support.waiting import eventually
 from rdzv_core import create_handler
 
-# over file:// and redis:// (agent_scenario), at most two launcher tests at once (launchers): tests/conftest.py
-pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario, pytest.mark.launchers]
+# over file:// and redis:// (agent_scenario), at most two launcher tests at once (launchers): tests/conftest.py;
+# membership scenarios (nodes killed, joining late, stopped, refused): scripts/test.sh runs them after the main pytest
+pytestmark = [pytest.mark.slow, pytest.mark.agent_scenario, pytest.mark.launchers, pytest.mark.membership]
 
 START = 240.0  # seconds for nodes to start, form a round and begin training (torch imports on 2 cores)
 FINISH = 300.0  # seconds for the job to finish after the fault

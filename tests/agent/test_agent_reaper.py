@@ -29,7 +29,7 @@ GONE_WITHIN = 2.0
 #: Seconds per attempt, from its first worker's start, within which a launcher whose workers fail must exit
 #: (a helper that held its pipes made each attempt wait about 7 s for them to close). Launcher start-up
 #: (torch) excluded: on a loaded host it alone takes longer than that.
-EXIT_PER_ATTEMPT = 3.0
+EXIT_PER_ATTEMPT = 5.0
 #: The helper's command line, to recognize it before killing a recorded pid at teardown.
 HELPER_MARK = "time.sleep(600)"
 

@@ -17,12 +17,14 @@ from tests.support.bad_input import FILE_CASES, open_bad  # the same cases and h
 from tests.support.servers import serve
 
 from conformance_tests.redis_server import RedisTLSServer
+from rdzv_backends.redis._settings import DEFAULT_OPERATION_TIMEOUT
 from rdzv_core import BackendConnectionError, InvalidURLError, open_backend
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="no redis-server on PATH")
 
-#: The error must come this fast (seconds): it comes in a few ms; the rest is slack for a loaded machine.
-FAST = 2.0
+#: The error must come within half the default ``operation_timeout`` (seconds): it comes in a few ms; a client
+#: that retried until its deadline would take the whole timeout. The rest is slack for a loaded machine.
+FAST = DEFAULT_OPERATION_TIMEOUT / 2
 
 
 @pytest.fixture(scope="module")
