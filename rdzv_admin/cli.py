@@ -123,13 +123,16 @@ def cmd_backends(args: argparse.Namespace) -> int:
     def yes(flag: object) -> str:
         return "yes" if flag else "no"
 
-    print(f"{'scheme':<10} {'backend':<10} {'distribution':<14} {'port':<5} {'agents on many hosts':<20} "
-          f"{'server endpoints':<16} {'server_ttl':<10} {'watch':<5} tls")
+    table = [["scheme", "backend", "distribution", "port", "agents on many hosts", "server endpoints", "server_ttl",
+              "watch", "tls"]]
     for scheme, r in rows.items():
         port = "-" if r["default_port"] is None else str(r["default_port"])
-        print(f"{scheme:<10} {r['name']:<10} {r['distribution']:<14} {port:<5} {yes(r['multi_host']):<20} "
-              f"{r['server_endpoints'] or '?':<16} {yes(r['server_side_ttl']):<10} {yes(r['native_watch']):<5} "
-              f"{yes(r['tls'])}")
+        table.append([scheme, str(r["name"]), str(r["distribution"]), port, yes(r["multi_host"]),
+                      str(r["server_endpoints"] or "?"), yes(r["server_side_ttl"]), yes(r["native_watch"]),
+                      yes(r["tls"])])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]  # columns as wide as their longest
+    for row in table:
+        print(" ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
     return 0
 
 

@@ -244,6 +244,10 @@ def test_backends_shows_default_ports_and_server_endpoints() -> None:
     assert table.returncode == 0
     redis_row = next(line.split() for line in table.stdout.splitlines() if line.startswith("redis "))
     assert redis_row[3:6] == ["6379", "yes", "one"], redis_row
+    header, *lines = table.stdout.splitlines()
+    for column in ("port", "server endpoints", "tls"):  # every row's cell starts under its heading
+        at = header.index(column)
+        assert all(line[at - 1] == " " and line[at] != " " for line in lines), (column, table.stdout)
 
 
 def test_runs_lists_open_and_closed_runs_with_age(tmp_path) -> None:
