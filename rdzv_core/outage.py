@@ -100,8 +100,7 @@ class Responsiveness:
         with self._lock:
             if started in self._inflight:
                 self._inflight.remove(started)
-            held_up = started - self._last > self.max_gap
-            if not ok or ended - started > self.slow or held_up:
+            if not ok or ended - started > self.slow or self._late(started):
                 self._since = max(self._since, ended)
                 self._broken = max(self._broken, ended)
             self._last = max(self._last, ended)
@@ -117,15 +116,18 @@ class Responsiveness:
         with self._lock:
             self._idle = True
 
-    def _stalled_now(self) -> float:
-        """Now if a call has been in flight longer than ``slow`` or began more than ``max_gap`` seconds after
-        the previous one ended, or none was begun for longer than that while the calls go on; else ``-inf``
+    def _late(self, started: float) -> bool:
+        """Whether a call begun at ``started`` came more than ``max_gap`` seconds after the previous one ended
         (lock held)."""
+        return started - self._last > self.max_gap
+
+    def _stalled_now(self) -> float:
+        """Now if a call has been in flight longer than ``slow``, or the pending call (now, if none was begun)
+        is late while the calls go on; else ``-inf`` (lock held)."""
         now = time.monotonic()
-        if self._inflight:
-            first = min(self._inflight)
-            return now if now - first > self.slow or first - self._last > self.max_gap else -float("inf")
-        return now if not self._idle and now - self._last > self.max_gap else -float("inf")
+        pending = min(self._inflight, default=now)  # when the call in flight began; now if none has
+        stalled = now - pending > self.slow or (not self._idle and self._late(pending))
+        return now if stalled else -float("inf")
 
     @property
     def since(self) -> float:
