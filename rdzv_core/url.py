@@ -46,6 +46,7 @@ __all__ = [
     "RANK_POLICIES",
     "DEFAULT_RANK_POLICY",
     "parse_node_labels",
+    "NODE_CHECK_ACTIONS",
 ]
 
 MAX_RUN_ID_CHARS = 128
@@ -180,6 +181,40 @@ def _node_labels(field_name: str, raw: str) -> str:
     return raw
 
 
+#: What a node does while a node check fails (query key ``node_check_action``; :mod:`rdzv_core.node_checks`).
+NODE_CHECK_ACTIONS = ("wait", "exit")
+#: Most MiB ``node_check_min_free_mb`` may ask for (1e15 MiB, about 1 ZiB: more than any file system).
+MAX_FREE_MB = 1e15
+
+
+def _no_control_chars(field_name: str, raw: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in raw):
+        raise InvalidURLError(field_name, raw, "must not contain control characters")
+    return raw
+
+
+def _node_check_dirs(field_name: str, raw: str) -> str:
+    """``DIR[:DIR...]`` (``""``: none), kept as text (:meth:`rdzv_core.node_checks.CheckSettings.from_query`
+    splits it)."""
+    _no_control_chars(field_name, raw)
+    if raw and not all(raw.split(":")):
+        raise InvalidURLError(field_name, raw, "an empty directory between ':' (directories are DIR[:DIR...])")
+    return raw
+
+
+def _free_mb(field_name: str, raw: str) -> float:
+    _check_number_text(field_name, raw)
+    if not _FLOAT_TEXT.fullmatch(raw) or not 0 <= float(raw) <= MAX_FREE_MB:
+        raise InvalidURLError(field_name, raw, f"must be a number of MiB >= 0 and <= {MAX_FREE_MB:g}")
+    return float(raw)
+
+
+def _node_check_action(field_name: str, raw: str) -> str:
+    if raw not in NODE_CHECK_ACTIONS:
+        raise InvalidURLError(field_name, raw, f"must be one of {', '.join(NODE_CHECK_ACTIONS)}")
+    return raw
+
+
 Converter = Callable[[str, str], Any]
 
 #: Query keys understood for every backend (canonical name -> converter).
@@ -198,6 +233,14 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "node_labels": _node_labels,
     "node_order": lambda f, v: to_int(f, v, 0),
     "incarnation": lambda f, v: to_int(f, v, 0),
+    # checks before joining (rdzv_core.node_checks, docs/node-health.md); node_check="" means none
+    "node_check": _no_control_chars,
+    "node_check_timeout": to_positive_float,
+    "node_check_dirs": _node_check_dirs,
+    "node_check_min_free_mb": _free_mb,
+    "node_check_action": _node_check_action,
+    "node_check_interval": to_positive_float,
+    "node_check_plugins": to_bool,
 }
 
 #: Other names accepted for the canonical keys (torchelastic's and torch's names).

@@ -12,7 +12,8 @@
              [--local-ranks-filter R,...] [--duplicate-stdout-filters S,...] [--duplicate-stderr-filters S,...]
              [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] [--hang-timeout S]
              [--metrics-port PORT] [--keep-orphans] [--warm-workers | --no-warm-workers]
-             [--warm-imports MOD,...] SCRIPT [ARGS...]
+             [--warm-imports MOD,...] [--node-check CMD] [--node-check-timeout S] [--node-check-dir DIR]...
+             [--node-check-min-free-mb N] [--node-check-action {wait,exit}] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -25,7 +26,8 @@ variable ``PET_<OPTION>`` (``PET_NPROC_PER_NODE=4``, ``PET_NNODES=2:4``,
 ``torch.distributed.argparse_util.env``/``check_env`` actions); the command-line
 flag wins. A variable's value is checked like the flag's, and a bad one is
 reported naming the variable (exit status 2). ``--rdzv`` (``RDZV_URL``) and
-``--log-level`` (``LOGLEVEL``) are this launcher's own.
+``--log-level`` (``LOGLEVEL``) are this launcher's own; ``--node-check`` also reads
+``PET_NODE_CHECK``, as the rendezvous handler does under plain torchrun.
 
 :mod:`rdzv_agent.launch.config` turns the parsed options into a ``LaunchConfig``.
 """
@@ -50,7 +52,7 @@ __all__ = [
     "build_parser", "parse_args", "strip_rdzv_options", "RDZV_OPTIONS", "URL_ENV", "START_METHODS", "RUN_PATH_CODE",
     "DEFAULT_MONITOR_INTERVAL", "DEFAULT_SHUTDOWN_TIMEOUT", "SHUTDOWN_TIMEOUT_ENV", "DEFAULT_EXIT_BARRIER_TIMEOUT",
     "STATIC_BACKEND", "STATIC_DEFAULT_ADDR", "STATIC_DEFAULT_PORT", "STATIC_DEFAULT_RUN_ID", "STATIC_DEFAULT_TIMEOUT",
-    "METRICS_PORT_ENV",
+    "METRICS_PORT_ENV", "NODE_CHECK_ACTIONS",
 ]
 
 #: Environment variable that may hold the rendezvous URL (instead of ``--rdzv``).
@@ -74,6 +76,9 @@ STATIC_DEFAULT_ADDR = "127.0.0.1"
 STATIC_DEFAULT_PORT = 29500
 STATIC_DEFAULT_RUN_ID = "none"
 STATIC_DEFAULT_TIMEOUT = 600
+
+#: ``--node-check-action``'s values (the query key ``node_check_action``'s).
+NODE_CHECK_ACTIONS = ("wait", "exit")
 
 #: What a worker started with ``--run-path`` runs: ``python -u -c CODE SCRIPT ARGS...``.
 RUN_PATH_CODE = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
@@ -134,6 +139,16 @@ def _seconds(text: str, allow_zero: bool = False) -> float:
 
 def _non_negative_seconds(text: str) -> float:
     return _seconds(text, allow_zero=True)
+
+
+def _mebibytes(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of MiB, got {text!r}") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of MiB >= 0, got {text!r}")
+    return value
 
 
 def _local_ranks(text: str) -> set[int] | None:
@@ -371,6 +386,17 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--exit-barrier-timeout", type=_non_negative_seconds, default=DEFAULT_EXIT_BARRIER_TIMEOUT, metavar="S",
         help=f"seconds a node whose workers succeeded waits for the other nodes of its round to finish before it "
              f"ends and closes the run (default {DEFAULT_EXIT_BARRIER_TIMEOUT:g}, torch's; 0: do not wait)")
+    opt("--node-check", default=None, metavar="CMD",
+        help="shell command run before each join (exit 0: healthy); a failing node does not join "
+             "(docs/node-health.md)")
+    opt("--node-check-timeout", pet=False, type=_seconds, default=None, metavar="S",
+        help="seconds a node check may take (default 60)")
+    opt("--node-check-dir", pet=False, action="append", default=None, metavar="DIR",
+        help="a directory that must be writable with --node-check-min-free-mb free (repeatable)")
+    opt("--node-check-min-free-mb", pet=False, type=_mebibytes, default=None, metavar="N",
+        help="MiB each --node-check-dir needs free (default 1024)")
+    opt("--node-check-action", pet=False, default=None, choices=NODE_CHECK_ACTIONS,
+        help="when a check fails: wait (re-check, default) or exit")
     opt("--log-level", pet=False, default=None, metavar="LEVEL",
         help="launcher log level (default: env LOGLEVEL or WARNING)")
     p.add_argument("script", metavar="SCRIPT", help="training script, module (-m) or executable (--no-python)")

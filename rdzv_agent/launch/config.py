@@ -11,6 +11,9 @@ into a :class:`LaunchConfig`: the worker command and the launch *target*, one of
 * a :class:`StaticRendezvous` (torchrun's ``static`` backend);
 * :class:`Standalone`: a ``file://`` rendezvous in a directory the launcher creates.
 
+The ``--node-check*`` options become the URL's ``node_check*`` query keys (:func:`node_check_params`),
+so the rendezvous handler runs the checks, as under plain torchrun (``docs/node-health.md``).
+
 What each torchrun option does here, and where it differs from torchrun, is the
 parity table in ``docs/torchrun.md`` (static mode: ``--node-rank``/``--master-addr``/
 ``--master-port``; ``--start-method``; ``--run-path``).
@@ -27,7 +30,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
-from rdzv_core.errors import ConfigError
+from rdzv_core.errors import ConfigError, InvalidURLError
 from rdzv_core.url import RendezvousURL
 
 from ..api import DEFAULT_ROLE
@@ -70,7 +73,8 @@ from .worker_options import (
     python_exec,
 )
 
-__all__ = ["LaunchConfig", "LaunchTarget", "StaticRendezvous", "Standalone", "build_config", "backend_url"]
+__all__ = ["LaunchConfig", "LaunchTarget", "StaticRendezvous", "Standalone", "build_config", "backend_url",
+           "node_check_params"]
 
 
 @dataclass
@@ -193,11 +197,17 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
     target: LaunchTarget
     master_addr: str | None
     if static is not None:
+        for _, option, value in _node_check_options(args):
+            if value == "":  # no check asked for
+                continue
+            raise ConfigError(as_given(args, option), value, "the static rendezvous (torch's) runs no node checks: "
+                              "use --rdzv, --rdzv-backend with a backend, or --standalone")
         target, nnodes = static, (static.nnodes, static.nnodes)
         master_addr, master_port = static.master_addr, static.master_port
     else:
         url = elastic_url(args, mode, url_arg)
         url = rank_request(args, url)
+        url = node_check_params(args, url)
         target = Standalone(url) if mode == "standalone" else url
         nnodes = (1, 1) if mode == "standalone" else args.nnodes
         master_addr, master_port = check_elastic_master(args, url), args.master_port
@@ -248,6 +258,42 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         warm_checked=not _warm_asked(args),
         warm_after=_warm_after(environ),
     )
+
+
+def _node_check_options(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
+    """The ``--node-check*`` options given (or ``PET_NODE_CHECK``, unless blank): ``(query key, option, value)``.
+
+    Raises:
+        ConfigError: a ``--node-check-dir`` that is empty or holds ``:`` (the query key's separator).
+    """
+    dirs = getattr(args, "node_check_dir", None)
+    for path in dirs or ():
+        if not path or ":" in path:
+            raise ConfigError("--node-check-dir", path, "must be a non-empty path without ':'")
+    given = [("node_check", "--node-check", getattr(args, "node_check", None)),
+             ("node_check_timeout", "--node-check-timeout", getattr(args, "node_check_timeout", None)),
+             ("node_check_dirs", "--node-check-dir", ":".join(dirs) if dirs else None),
+             ("node_check_min_free_mb", "--node-check-min-free-mb", getattr(args, "node_check_min_free_mb", None)),
+             ("node_check_action", "--node-check-action", getattr(args, "node_check_action", None))]
+    return [(key, option, value) for key, option, value in given
+            if value is not None and not (value == "" and env_source(args, option))]
+
+
+def node_check_params(args: argparse.Namespace, url: RendezvousURL) -> RendezvousURL:
+    """``url`` with the ``--node-check*`` options as its ``node_check*`` query keys (``docs/node-health.md``).
+
+    An option on the command line replaces the key given in the URL or ``--rdzv-conf``; ``PET_NODE_CHECK``
+    only fills in a ``node_check`` the URL lacks (as the handler reads it under plain torchrun).
+
+    Raises:
+        ConfigError: a value the query key refuses, naming the option (or ``PET_NODE_CHECK``) and the value.
+    """
+    for key, option, value in _node_check_options(args):
+        try:
+            url = url.with_params({key: value}, replace=env_source(args, option) is None)
+        except InvalidURLError as exc:
+            raise ConfigError(as_given(args, option), value, exc.reason) from None
+    return url
 
 
 def _warm_asked(args: argparse.Namespace) -> bool:

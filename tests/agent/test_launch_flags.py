@@ -47,6 +47,12 @@ AFFINITY = textwrap.dedent(
     (["--nproc-per-node", "2", "--virtual-local-rank"], {"CUDA_VISIBLE_DEVICES": "0"}, "--virtual-local-rank",
      "only 1 devices"),
     ([], {"PYTHON_EXEC": "/nonexistent/python3"}, "PYTHON_EXEC", "not an executable"),
+    (["--node-check-timeout", "0"], {}, "--node-check-timeout", "'0'"),
+    (["--node-check-timeout", "1e9"], {}, "--node-check-timeout", "<= 1e+07"),
+    (["--node-check-action", "retry"], {}, "--node-check-action", "invalid choice"),
+    (["--node-check-min-free-mb", "lots"], {}, "--node-check-min-free-mb", "'lots'"),
+    (["--node-check-dir", "/a:/b"], {}, "--node-check-dir", "without ':'"),
+    (["--node-check", "a\tb"], {}, "--node-check", "control characters"),
 ])
 def test_bad_flag_values_exit_2_naming_the_flag(argv, env, named, reason, monkeypatch, capsys):
     for key, value in env.items():
@@ -58,6 +64,38 @@ def test_bad_flag_values_exit_2_naming_the_flag(argv, env, named, reason, monkey
     assert code == 2
     err = capsys.readouterr().err
     assert named in err and reason in err and "unrecognized" not in err, err
+
+
+def test_node_check_options_become_the_urls_query_keys(monkeypatch, tmp_path):
+    """--node-check* set the node_check* keys the handler reads (as --rdzv-conf would); a flag on the command line
+    replaces the URL's key, PET_NODE_CHECK only fills in a missing node_check."""
+    from rdzv_agent.launch.args import NODE_CHECK_ACTIONS, parse_args
+    from rdzv_agent.launch.config import build_config
+    from rdzv_core.errors import ConfigError
+    from rdzv_core.url import NODE_CHECK_ACTIONS as QUERY_ACTIONS
+
+    assert NODE_CHECK_ACTIONS == QUERY_ACTIONS  # --node-check-action's choices are the query key's values
+
+    monkeypatch.delenv("PET_NODE_CHECK", raising=False)
+    base = f"file://{tmp_path}/run"
+    url = build_config(parse_args(["--rdzv", f"{base}?node_check=from-url&node_check_interval=5", "--node-check-dir",
+                                   "/scratch", "--node-check-dir", "/tmp", "--node-check-timeout", "20",
+                                   "--node-check-min-free-mb", "512", "--node-check-action", "exit", WORKER])).url
+    assert {k: v for k, v in url.params.items() if k.startswith("node_check")} == {
+        "node_check": "from-url", "node_check_interval": 5.0, "node_check_dirs": "/scratch:/tmp",
+        "node_check_timeout": 20.0, "node_check_min_free_mb": 512.0, "node_check_action": "exit"}
+    argv = ["--rdzv", f"{base}?node_check=from-url", "--node-check", "from-flag", WORKER]
+    assert build_config(parse_args(argv)).url.params["node_check"] == "from-flag"
+    monkeypatch.setenv("PET_NODE_CHECK", "from-env")
+    assert build_config(parse_args(argv)).url.params["node_check"] == "from-flag"
+    assert build_config(parse_args(["--rdzv", f"{base}?node_check=from-url", WORKER])).url.params["node_check"] == (
+        "from-url")
+    assert build_config(parse_args(["--standalone", WORKER])).target.url.params["node_check"] == "from-env"
+    static = ["--nnodes", "2", "--master-port", "29555", WORKER]  # torch's static rendezvous runs no checks
+    with pytest.raises(ConfigError, match="'PET_NODE_CHECK'.*runs no node checks"):
+        build_config(parse_args(static))
+    monkeypatch.setenv("PET_NODE_CHECK", "")
+    assert build_config(parse_args(static)).static is not None
 
 
 def test_gpu_on_a_machine_without_cuda_is_refused_as_torch_refuses_it(capsys):
