@@ -10,11 +10,14 @@
     rdzv reset URL [--yes]            delete every key of the run (state, rounds, stores)
     rdzv check URL [--json]           connect, run a short protocol self-test, report latency
     rdzv runs URL [--json]            every run under the URL's prefix: state, members, age
+    rdzv nodes URL [--json]           the node ledger: each node's state, offences, quarantines, why;
+                                      --forgive NODE [--yes] clears a node's offences and quarantine
 
 Exit codes (:data:`EXIT_CODES`), the same for every command, so that a monitoring
 probe can use ``rdzv status``: 0 healthy / done; 1 unhealthy or not done (status:
 ``degraded`` (also: a hung node), ``corrupt`` or ``absent``; a failed check; a refused confirmation);
-2 bad usage (a bad option or URL); 3 the backend is unreachable or did not answer.
+2 bad usage (a bad option or URL, ``--forgive`` of a node not in the ledger); 3 the backend is unreachable or
+did not answer.
 ``status --json`` carries the same verdict in ``"verdict"`` (also when unreachable).
 Errors are one line on stderr saying what to do.
 """
@@ -45,7 +48,7 @@ from rdzv_core.labels import incarnation_of
 from rdzv_core.plugins import list_backends, parse_backend_url
 from rdzv_core.rendezvous import Rendezvous, RendezvousParams, RunKeys, Status, has_state, progress_keys
 
-from . import progress_view, runs_view
+from . import nodes_view, progress_view, runs_view
 from .self_check import cmd_check
 
 __all__ = ["main", "EXIT_CODES", "VERDICT_EXIT"]
@@ -151,8 +154,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     record's version (the next round would then reuse the keys of an old one), or the
     round record cannot be read; ``degraded`` when a member of a frozen or final round
     has no live keep-alive key, or a member is hung (:mod:`rdzv_admin.progress_view`);
-    ``absent`` when nothing is stored for the run. ``--watch``: again every ``--interval``
-    seconds (in place on a terminal) until interrupted or ``--count`` views were shown;
+    ``absent`` when nothing is stored for the run. Nodes the ledger keeps out (quarantined, unhealthy) are listed
+    (``kept_out``: :func:`rdzv_admin.nodes_view.kept_out`) and do not change the verdict. ``--watch``: again every
+    ``--interval`` seconds (in place on a terminal) until interrupted or ``--count`` views were shown;
     the exit code is the last view's.
     """
     shown_views = 0
@@ -182,6 +186,7 @@ def _status_once(args: argparse.Namespace, clear: bool = False) -> int:
                 state["progress"] = progress_view.analyse(
                     records, state.get("alive", []), state.get("participants"), args.hang_timeout,
                     args.straggler_steps, args.straggler_seconds)
+            state["kept_out"], ledger_warnings = nodes_view.kept_out(rdzv.ledger)  # no effect on the verdict
     except (BackendUnavailableError, RendezvousStateError, CorruptEntryError) as exc:
         if args.json:  # a probe reading --json gets the verdict too; main() prints the error line
             verdict = "unreachable" if isinstance(exc, BackendUnavailableError) else "corrupt"
@@ -190,6 +195,7 @@ def _status_once(args: argparse.Namespace, clear: bool = False) -> int:
         raise
     state["problems"] = [problem] if problem else []
     state["warnings"], degraded = _status_warnings(state)
+    state["warnings"] += ledger_warnings
     hung = state.get("progress", {}).get("summary", {}).get("hung", [])
     if hung:
         state["warnings"].append(f"rank(s) {hung[:20]} of round {state.get('version')} are hung: no progress "
@@ -297,6 +303,8 @@ def _print_status(state: dict[str, Any], counter: str, limit: int = 20, members_
         print(f"{'PROBLEM':<13} {problem}")
     for warning in state["warnings"]:
         print(f"{'WARNING':<13} {warning}")
+    for line in nodes_view.render_kept_out(state.get("kept_out", []), limit):
+        print(line)
     if "progress" in state:
         for line in progress_view.render(state["progress"], limit):
             print(line)
@@ -395,6 +403,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nodes(args: argparse.Namespace) -> int:
+    """The run's node ledger (:mod:`rdzv_admin.nodes_view`), of the same incarnation as ``rdzv status``'s;
+    ``--forgive NODE``: clear its offences and end its quarantine (asks first, unless ``--yes``)."""
+    kv, rdzv = _open(args.url, latest=True)
+    with kv:
+        return nodes_view.command(rdzv.ledger, _run_name(rdzv), args.forgive, args.json, lambda q: _confirm(args, q))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rdzv", description="Inspect and manage rdzv rendezvous runs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -402,7 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_backends)
     commands = (("status", cmd_status, "show a run's round"), ("check", cmd_check, "self-test a backend"),
-                ("runs", cmd_runs, "list the runs under a prefix"))
+                ("runs", cmd_runs, "list the runs under a prefix"), ("nodes", cmd_nodes, "list a run's node ledger"))
     for name, fn, helptext in commands:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")
@@ -410,6 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         if name == "status":
             _status_options(p)
+        if name == "nodes":
+            p.add_argument("--forgive", metavar="NODE", help="clear NODE's offences and end its quarantine")
+            p.add_argument("--yes", action="store_true", help="with --forgive: do not ask for confirmation")
     for name, fn, helptext in (("close", cmd_close, "close a run"), ("reset", cmd_reset, "delete a run's state")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("url")
