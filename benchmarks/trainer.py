@@ -22,6 +22,8 @@ It stops when asked, by files in ``OUT``:
 ``stop-all`` or ``stop-<NODE>``   finish the current step, destroy the group, exit 0 (with
                                   ``--collective``: every rank stops at the step one of them saw it)
 ``fail-<NODE>``                   exit 3 while ``TORCHELASTIC_RESTART_COUNT`` is 0 (a failure)
+``lemon-<NODE>``                  exit 3 right after ``init_process_group``, at every start (a host-specific
+                                  fault: the node's peers fail in their first ``all_reduce``)
 """
 
 from __future__ import annotations
@@ -70,6 +72,10 @@ def main() -> int:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=args.pg_timeout))
     base["pg_done"] = time.time()
+    if os.path.exists(os.path.join(args.out, f"lemon-{node}")):
+        record(kind="lemon")
+        print(f"trainer {node} rank {base['rank']}: injected host fault", file=sys.stderr, flush=True)
+        return 3
     total = torch.tensor([base["rank"] + 1])
     dist.all_reduce(total)
     record(kind="start", sum=int(total.item()))

@@ -79,6 +79,8 @@ class WorkerSpec:
         event_log_handler: destination of the agent's torch events (torch's
             ``WorkerSpec.event_log_handler``): a name registered in
             ``torch.distributed.elastic.events.handlers`` (``"null"``, ``"console"``, ...).
+        restart_window: seconds a failure restart counts against ``max_restarts`` (``None``: for the
+            job's life, torchrun's rule; :mod:`rdzv_agent.restart_budget`).
 
     Raises:
         ConfigError: a field is invalid (the message names it and the value).
@@ -95,6 +97,7 @@ class WorkerSpec:
         "master_port",
         "local_addr",
         "event_log_handler",
+        "restart_window",
     ]
 
     def __init__(
@@ -109,6 +112,7 @@ class WorkerSpec:
         master_port: int | None = None,
         local_addr: str | None = None,
         event_log_handler: str = "null",
+        restart_window: float | None = None,
     ) -> None:
         if not isinstance(role, str) or not role or any(c.isspace() for c in role):
             raise ConfigError("role", role, "must be a non-empty string without whitespace")
@@ -134,6 +138,7 @@ class WorkerSpec:
         self.master_port = master_port
         self.local_addr = local_addr
         self.event_log_handler = event_log_handler
+        self.restart_window = None if restart_window is None else _check_seconds("restart_window", restart_window)
 
     def __repr__(self) -> str:
         return (

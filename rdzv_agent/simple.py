@@ -55,6 +55,7 @@ from .api import (
     WorkerSpec,
     WorkerState,
 )
+from .restart_budget import RestartBudget
 from .supervision.hang_watch import WorkerHang
 from .supervision.health import Heartbeat
 from .reporting.torch_events import AgentTelemetry, prof, profiled
@@ -65,6 +66,8 @@ log = logging.getLogger(__name__)
 
 #: Re-rendezvous rounds per run for setup trouble (port taken, master endpoint missing).
 MAX_SETUP_RETRIES = 3
+#: Exit statuses of workers the agent stopped (its SIGTERM or SIGKILL, a forwarded SIGINT): not their own failure.
+STOP_CODES = frozenset({-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT})
 #: torch's default ``exit_barrier_timeout`` (seconds).
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 #: Seconds the agent waits for the round's other agents in its store (master endpoint, ranks) before
@@ -146,7 +149,7 @@ class SimpleElasticAgent(ElasticAgent):
         self._exit_barrier_timeout = float(exit_barrier_timeout)
         self._exit_barrier_outcome: str | None = None
         self._worker_group = WorkerGroup(spec)
-        self._remaining_restarts = spec.max_restarts
+        self._budget = RestartBudget(spec.max_restarts, spec.restart_window)
         self._setup_retries_left = MAX_SETUP_RETRIES
         self._membership_restarts = 0
         self._rendezvous_count = 0
@@ -168,8 +171,13 @@ class SimpleElasticAgent(ElasticAgent):
 
     @property
     def restart_count(self) -> int:
-        """Restarts spent on failures so far (``TORCHELASTIC_RESTART_COUNT``)."""
-        return self._worker_group.spec.max_restarts - self._remaining_restarts
+        """Restarts made on failures so far (``TORCHELASTIC_RESTART_COUNT``), charged to this node or not."""
+        return self._budget.spent
+
+    @property
+    def _remaining_restarts(self) -> int:
+        """Failure restarts still allowed (:class:`~rdzv_agent.restart_budget.RestartBudget`)."""
+        return self._budget.remaining
 
     @property
     def membership_restarts(self) -> int:
@@ -359,10 +367,17 @@ class SimpleElasticAgent(ElasticAgent):
                    failures=dict(failures or {}))
 
     @prof
-    def _restart_workers(self, worker_group: WorkerGroup) -> None:
-        """Stop all local workers, rendezvous again and start new ones."""
+    def _restart_workers(self, worker_group: WorkerGroup, membership: bool = False) -> None:
+        """Stop all local workers, rendezvous again and start new ones. ``membership``: for a membership change;
+        a worker that had failed on its own meanwhile is still reported to the node ledger (not charged)."""
         start = time.monotonic()
         self._stop_workers(worker_group)
+        if membership:
+            failed = self._monitor_workers(worker_group)
+            own: dict[int, Exception] = {rank: exc for rank, exc in failed.exceptions.items() if isinstance(
+                exc, WorkerFailure) and exc.exit_code is not None and exc.exit_code not in STOP_CODES}
+            if own:
+                self._budget.attribute(worker_group.spec, own)
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)
         log.info("[%s] restart took %.1f s", worker_group.spec.role, time.monotonic() - start)
@@ -456,7 +471,7 @@ class SimpleElasticAgent(ElasticAgent):
                              "group_rank=%s); restarting the group", role, waiting, group.group_rank)
                     self._emit("restarting", reason="membership", remaining_restarts=self._remaining_restarts,
                                nodes_waiting=waiting)
-                    self._restart_workers(group)
+                    self._restart_workers(group, membership=True)
             else:
                 raise RuntimeError(f"[{role}] worker group in {state.name} state")
 
@@ -499,10 +514,10 @@ class SimpleElasticAgent(ElasticAgent):
         if port_conflict and self._setup_retries_left > 0:
             self._setup_retry("port_in_use", f"a worker could not bind MASTER_PORT={group.master_port}", failures)
             self._restart_workers(group)
-        elif self._remaining_restarts > 0 and result.restart:
+        elif self._budget.allows(spec, failures, result.restart):
             log.info("[%s] worker group %s; %d/%d restarts left; restarting", spec.role, result.state.name,
                      self._remaining_restarts, spec.max_restarts)
-            self._remaining_restarts -= 1
+            self._budget.spend(self._budget.culprit)
             hung = any(isinstance(exc, WorkerHang) for exc in failures.values())
             self._emit("restarting", reason="hang" if hung else "failed", remaining_restarts=self._remaining_restarts,
                        failures=failures)

@@ -24,6 +24,7 @@
     ├── PluginError                      two distributions claim one scheme
     ├── RendezvousClosedError            the run was closed (``set_closed``)
     │   └── RendezvousGracefulExitError  ... while this node waited as a spare (exit successfully)
+    ├── NodeExcludedError                this node is kept out (its check failed, or it is quarantined)
     ├── RendezvousTimeoutError           no round completed within the overall timeout
     └── RendezvousStateError             the stored rendezvous state is corrupt
 
@@ -64,6 +65,7 @@ __all__ = [
     "PluginError",
     "RendezvousClosedError",
     "RendezvousGracefulExitError",
+    "NodeExcludedError",
     "RendezvousTimeoutError",
     "RendezvousStateError",
 ]
@@ -271,6 +273,20 @@ class RendezvousClosedError(RdzvError):
 class RendezvousGracefulExitError(RendezvousClosedError):
     """The run closed while this node waited as a *spare* (the round was full): it has nothing
     left to do and may exit successfully (torch's ``RendezvousGracefulExitError``)."""
+
+
+class NodeExcludedError(RdzvError):
+    """This node is kept out of the run: its pre-flight check failed (``node_check_action=exit``), or the run
+    closed while it waited at the gate (quarantined, or its check failing): ``docs/node-health.md``.
+
+    Attributes:
+        node: the node's name; reason: one line, why it was kept out.
+    """
+
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"node {node} kept out of the run: {reason}")
+        self.node = node
+        self.reason = reason
 
 
 class RendezvousTimeoutError(RdzvError):

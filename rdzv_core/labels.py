@@ -18,18 +18,22 @@ Indexed Job's ``JOB_COMPLETION_INDEX``). Newcomers to a round take group ranks i
 scheduler's restart counter (:data:`INCARNATION_SOURCES`: Slurm's ``SLURM_RESTART_COUNT``, set in a
 requeued job), else 0. A requeued job keeps its job id, and so the run id derived from it; its
 incarnation keeps it out of the earlier, closed run.
+
+**Node name** (``docs/node-health.md``): the ``node_name`` query key, else the first of
+:data:`NODE_NAME_SOURCES` set, else the host name: the identity the run's node ledger keeps failures under.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from typing import Mapping
 
 from .errors import InvalidURLError
-from .url import parse_node_labels, to_int
+from .url import node_name, parse_node_labels, to_int
 
 __all__ = ["LABELS_ENV", "environment_labels", "ORDER_SOURCES", "environment_order", "INCARNATION_SOURCES",
-           "incarnation_of"]
+           "incarnation_of", "NODE_NAME_SOURCES", "environment_node_name"]
 
 #: The environment variable a node's labels may be given in (read by the handler, also under plain torchrun).
 LABELS_ENV = "RDZV_NODE_LABELS"
@@ -111,3 +115,24 @@ def incarnation_of(query: Mapping[str, object], environ: Mapping[str, str] | Non
     found = _scheduler_int(INCARNATION_SOURCES, environ, "the scheduler's restart count is this run's "
                            "incarnation (set incarnation=N in the URL or --rdzv-conf to choose it)")
     return found if found is not None else (0, "default")
+
+
+#: Where a node's name in the run's ledger comes from when the query has no ``node_name``, first set wins: the
+#: launcher's own variable, Slurm's node name (set by ``slurmd`` in every step), a Kubernetes pod's node name
+#: (``NODE_NAME``, from the manifests' ``spec.nodeName`` field reference); else the host name.
+NODE_NAME_SOURCES: tuple[str, ...] = ("RDZV_NODE_NAME", "SLURMD_NODENAME", "NODE_NAME")
+
+
+def environment_node_name(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """``(name, source)``: this node's name in the run's ledger from the first of :data:`NODE_NAME_SOURCES` set
+    to a non-empty value, else ``(host name, "hostname")``.
+
+    Raises:
+        InvalidURLError: the variable holds no valid node name (names the variable and its value).
+    """
+    env = os.environ if environ is None else environ
+    for name in NODE_NAME_SOURCES:
+        raw = env.get(name, "")
+        if raw != "":
+            return node_name(name, raw), name
+    return socket.gethostname(), "hostname"

@@ -181,6 +181,18 @@ def _node_labels(field_name: str, raw: str) -> str:
     return raw
 
 
+def node_name(field_name: str, raw: str) -> str:
+    """A node's name in the run's ledger (``node_name``): 1-253 printable characters, no white space.
+
+    Raises:
+        InvalidURLError: otherwise (names the field and the value).
+    """
+    if not 1 <= len(raw) <= 253 or not raw.isprintable() or any(c.isspace() for c in raw):
+        raise InvalidURLError(field_name, raw, "must be 1-253 printable characters without white space "
+                              "(the scheduler's node name or the host name)")
+    return raw
+
+
 #: What a node does while a node check fails (query key ``node_check_action``; :mod:`rdzv_core.node_checks`).
 NODE_CHECK_ACTIONS = ("wait", "exit")
 #: Most MiB ``node_check_min_free_mb`` may ask for (1e15 MiB, about 1 ZiB: more than any file system).
@@ -241,6 +253,10 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "node_check_action": _node_check_action,
     "node_check_interval": to_positive_float,
     "node_check_plugins": to_bool,
+    "node_name": lambda f, v: node_name(f, v),
+    "quarantine_after": lambda f, v: to_int(f, v, 0),
+    "quarantine_window": to_positive_float,
+    "quarantine_cooldown": to_positive_float,
 }
 
 #: Other names accepted for the canonical keys (torchelastic's and torch's names).

@@ -5,7 +5,7 @@
     rdzv-run [--nnodes MIN[:MAX]] [--nproc-per-node N]
              (--rdzv URL | --rdzv-backend NAME --rdzv-endpoint HOST:PORT --rdzv-id ID | --standalone
               | [--rdzv-backend static] --node-rank R --master-addr A --master-port P)
-             [--rdzv-conf k=v,...] [--max-restarts N] [--monitor-interval S] [--role NAME]
+             [--rdzv-conf k=v,...] [--max-restarts N] [--restart-window S] [--monitor-interval S] [--role NAME]
              [--log-dir DIR] [--redirects V] [--tee V] [-m | --no-python | --run-path]
              [--start-method M] [--local-addr A] [--log-level L] [--signals-to-handle SIG,...]
              [--virtual-local-rank] [--numa-binding MODE] [--shutdown-timeout S] [--exit-barrier-timeout S]
@@ -314,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="single node: a file:// rendezvous in a fresh temporary directory, no server")
     opt("--max-restarts", type=_non_negative_int, default=0, metavar="N",
         help="restarts of a failed worker group before giving up (default 0)")
+    opt("--restart-window", pet=False, type=_seconds, default=None, metavar="S",
+        help="count a failure restart against --max-restarts for S seconds only (default: for the job's life)")
     opt("--monitor-interval", type=_seconds, default=DEFAULT_MONITOR_INTERVAL, metavar="S",
         help=f"seconds between checks of the workers (default {DEFAULT_MONITOR_INTERVAL})")
     opt("--role", default=DEFAULT_ROLE, help=f"worker role name (default {DEFAULT_ROLE!r})")

@@ -108,6 +108,7 @@ class LaunchConfig:
     program_args: list[str]
     role: str = DEFAULT_ROLE
     max_restarts: int = 0
+    restart_window: float | None = None
     monitor_interval: float = DEFAULT_MONITOR_INTERVAL
     log_dir: str | None = None
     redirects: Std | dict[int, Std] = Std.NONE
@@ -228,6 +229,7 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         program_args=program_args,
         role=args.role,
         max_restarts=args.max_restarts,
+        restart_window=args.restart_window,
         monitor_interval=args.monitor_interval,
         log_dir=args.log_dir,
         redirects=args.redirects,

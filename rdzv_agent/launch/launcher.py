@@ -272,7 +272,8 @@ def _launch(config: LaunchConfig, target: RendezvousURL | StaticRendezvous, hear
     try:
         spec = WorkerSpec(
             config.role, config.nproc_per_node, config.program, config.program_args, handler,
-            max_restarts=config.max_restarts, monitor_interval=config.monitor_interval,
+            max_restarts=config.max_restarts, restart_window=config.restart_window,
+            monitor_interval=config.monitor_interval,
             # static: the workers reuse node rank 0's store, whose address the handler gives
             master_port=config.master_port if config.static is None else None,
             local_addr=(config.master_addr or config.local_addr) if config.static is None else None,

@@ -36,6 +36,8 @@ from ..errors import (
 from .keepalive import KeepAlive
 from ..kv import Entry, KVBackend, wait_for_change
 from .admission import Admission, unmarked_grace, write_last_final
+from .gate import Gate
+from .ledger import NodeLedger
 from .membership import Membership
 from ..outage import Responsiveness, judged_at
 from .params import Progress, RendezvousParams, RoundResult
@@ -82,6 +84,11 @@ class RoundMachine(Membership):
         self.node_id = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         #: this node's name in its keep-alive record, the rank policies' tie-break (the handler sets ``local_addr``).
         self.host = socket.gethostname()
+        #: this node's name in the run's ledger (``node_name``: the scheduler's node name, else the host name).
+        self.node_name = params.node_name or socket.gethostname()
+        self.ledger = NodeLedger(kv, self.keys, params.quarantine)
+        #: the gate before each round: pre-flight checks (the handler sets them) and quarantine.
+        self.gate = Gate(self, self.ledger, self.node_name)
         #: ``(version, round id, group rank)`` of the last round this node was a member of (``stable`` ranks).
         self.last_round: tuple[int, str, int] | None = None
         self._keepalive: KeepAlive | None = None

@@ -86,6 +86,18 @@ class Membership(RoundIO):
         except (BackendUnavailableError, BackendClosedError) as exc:
             self._log(logging.WARNING, "could not mark the keep-alive key re-joining (it lapses): %s", exc)
 
+    def withdraw(self) -> None:
+        """This node will not take part in the next round (the gate keeps it out): leave the current round and
+        delete the key it left re-joining, so nobody waits for it. Backend errors are logged (the key lapses)."""
+        self._stop_keepalive(delete=True)
+        rejoining, self._rejoining = self._rejoining, None
+        if rejoining is None:
+            return
+        try:
+            self.kv.delete(rejoining[0])
+        except (BackendUnavailableError, BackendClosedError) as exc:
+            self._log(logging.WARNING, "could not withdraw the re-joining keep-alive key (it lapses): %s", exc)
+
     def _mark_rejoined(self, version: int, rid: str | None) -> None:
         """This re-joining member took a ticket in round ``(version, rid)``: say so in its old key, so the
         nodes queued for a place there stop counting it as expected. Backend errors are logged."""

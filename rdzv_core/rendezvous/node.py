@@ -16,6 +16,7 @@ from ..errors import (
 from ..kv import wait_for_change
 from ..outage import OutageLog
 from .machine import RoundMachine
+from .ledger import FailureVerdict
 from .params import RoundResult
 from .record import Status, encode_json, member_record, rank_of
 from .runconfig import check_run_config, shown
@@ -57,6 +58,8 @@ class Rendezvous(RoundMachine):
             RendezvousTimeoutError: no round within ``params.timeout`` seconds (time spent
                 waiting as a spare, for a full round to lose a member, does not count).
             RendezvousStateError: the stored round record or run configuration is corrupt.
+            NodeExcludedError: this node's pre-flight check failed (``node_check_action=exit``), or the run
+                closed while the gate kept it out (``rdzv_core.rendezvous.gate``).
             RunConfigMismatchError: a setting every node of the run must share differs from the
                 run's (``runconfig``): raised before this node takes a ticket or counts as
                 waiting; the run is not touched.
@@ -65,6 +68,7 @@ class Rendezvous(RoundMachine):
         """
         with self._lock:
             self.leave(rejoin=True)
+            self.gate.admit()  # pre-flight checks and quarantine: time kept out does not count against the timeout
             self._spare_since = None
             try:
                 return self._rounds_until(time.monotonic() + self.params.timeout)
@@ -123,6 +127,21 @@ class Rendezvous(RoundMachine):
             f"run {self.run_id}: no round completed within {self.params.timeout} s "
             f"(min_nodes={self.params.min_nodes}, max_nodes={self.params.max_nodes})"
         )
+
+    def report_failure(self, at: float, detail: str, settle: float, peer: bool = False) -> FailureVerdict | None:
+        """This node's workers failed in its current round at Unix time ``at`` (the first worker's exit;
+        ``detail``: one line; ``peer``: because a peer was lost): report it and find who failed first
+        (:meth:`NodeLedger.attribute`, waiting up to ``settle`` s after ``at`` for earlier reports). ``None``
+        outside a round.
+
+        Raises:
+            BackendUnavailableError, BackendClosedError, RendezvousStateError: from the backend.
+        """
+        current = self.current
+        if current is None:
+            return None
+        return self.ledger.attribute(self.node_name, current.version, current.round_id or None, at, detail, settle,
+                                     peer)
 
     def leave(self, finished: bool = False, rejoin: bool = False) -> None:
         """Leave the current round (the run stays open).

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..url import DEFAULT_RANK_POLICY, DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, parse_node_labels
+from ..url import DEFAULT_RANK_POLICY, DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, node_name, parse_node_labels
+from .ledger import QuarantinePolicy
 
 __all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL", "DEFAULT_CLOSED_RUN_TTL"]
 
@@ -43,6 +44,12 @@ class RendezvousParams:
     incarnation          0          which incarnation of the run (int >= 0): 0 is the
                                     run itself, N > 0 keeps its keys under a root of
                                     its own (``docs/design.md``, "Incarnations")
+    node_name            None       this node's name in the run's ledger (``None``: the
+                                    host name; the handler reads the scheduler's)
+    quarantine_after     2          offences within ``quarantine_window`` that
+                                    quarantine a node (0: never; ``docs/node-health.md``)
+    quarantine_window    3600.0     seconds an offence counts for
+    quarantine_cooldown  600.0      seconds of a first quarantine (doubles each time)
     ===================  =========  ===================================================
 
     Raises:
@@ -62,6 +69,10 @@ class RendezvousParams:
     node_order: int | None = None
     reform: str = DEFAULT_REFORM
     incarnation: int = 0
+    node_name: str | None = None
+    quarantine_after: int = 2
+    quarantine_window: float = 3600.0
+    quarantine_cooldown: float = 600.0
 
     @classmethod
     def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
@@ -72,7 +83,8 @@ class RendezvousParams:
             ConfigError: a value is out of range (names the field and value).
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
-                  "node_rank", "node_labels", "node_order", "closed_run_ttl", "reform", "incarnation")
+                  "node_rank", "node_labels", "node_order", "closed_run_ttl", "reform", "incarnation", "node_name",
+                  "quarantine_after", "quarantine_window", "quarantine_cooldown")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -115,6 +127,9 @@ class RendezvousParams:
         if isinstance(inc, bool) or not isinstance(inc, int) or inc < 0:
             raise ConfigError("incarnation", inc, "must be an int >= 0 (0: the run itself; N > 0: its N-th restart "
                               "under a scheduler)")
+        if self.node_name is not None:
+            node_name("node_name", self.node_name)
+        QuarantinePolicy(self.quarantine_after, self.quarantine_window, self.quarantine_cooldown)  # checks them
         if not isinstance(self.node_labels, str):
             raise ConfigError("node_labels", self.node_labels, "must be text KEY=VALUE[,KEY=VALUE...]")
         parse_node_labels("node_labels", self.node_labels)
@@ -123,6 +138,11 @@ class RendezvousParams:
     def limit(self) -> int:
         """``max_nodes`` as an int (it is never ``None`` once constructed)."""
         return self.max_nodes if self.max_nodes is not None else self.min_nodes
+
+    @property
+    def quarantine(self) -> QuarantinePolicy:
+        """The :class:`~rdzv_core.rendezvous.ledger.QuarantinePolicy` these parameters give."""
+        return QuarantinePolicy(self.quarantine_after, self.quarantine_window, self.quarantine_cooldown)
 
     @property
     def labels(self) -> tuple[tuple[str, str], ...]:

@@ -40,8 +40,9 @@ from ..rendezvous import progress_keys
 from .address import Endpoint, published_address
 from ..backoff import Backoff
 from ..kv import KVBackend
-from ..labels import environment_labels, environment_order, incarnation_of
+from ..labels import environment_labels, environment_node_name, environment_order, incarnation_of
 from ..metered import MeteredKV
+from ..node_checks import CheckSettings, run_node_checks
 from ..outage import OutageLog
 from ..plugins import parse_backend_url
 from ..rendezvous import Progress, Rendezvous, RendezvousParams
@@ -55,7 +56,8 @@ log = logging.getLogger(__name__)
 #: Keyword overrides ``create_handler`` accepts besides the URL's query keys.
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
                      "local_addr", "on_progress", "store_timeout", "backend_name", "rank_policy", "node_rank",
-                     "node_labels", "closed_run_ttl", "reform", "incarnation")
+                     "node_labels", "closed_run_ttl", "reform", "incarnation", "node_name", "quarantine_after",
+                     "quarantine_window", "quarantine_cooldown")
 
 T = TypeVar("T")
 
@@ -133,6 +135,19 @@ class ElasticHandler(Protocol):
         """Leave the round and release the backend, leaving the run open for the others."""
         ...
 
+    def report_failure(self, at: float, detail: str, settle: float, peer: bool = False) -> dict[str, Any] | None:
+        """This node's workers failed at Unix time ``at`` (``detail``: one line; ``peer``: because a peer was
+        lost, never the culprit): record it in the run's node ledger and say who failed first, waiting up to
+        ``settle`` s after ``at`` for earlier reports: ``{"culprit": NAME, "first": bool, "node": this node's
+        name, "quarantined": bool, "until": UNIX_TIME | None, "why": str}``; ``None`` when unknown (outside a
+        round, backend unreachable: never raises)."""
+        ...
+
+    def node_excluded(self, name: str) -> bool:
+        """Whether node ``name`` is quarantined and the run goes on without it (it was not admitted fail-open);
+        ``False`` when unknown (never raises)."""
+        ...
+
 
 class RdzvHandler(torch_api.RendezvousHandler):
     """torch ``RendezvousHandler`` for any ``rdzv`` backend.
@@ -146,6 +161,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         on_progress: callback receiving :class:`~rdzv_core.rendezvous.Progress` while waiting.
         store_timeout: default timeout of the returned store (seconds, default 300).
         endpoints: the backend's ``(host, port)`` pairs, for that rule (``()``: no network endpoint).
+        node_checks: the pre-flight checks run before each round (:mod:`rdzv_core.node_checks`), or ``None``.
     """
 
     def __init__(
@@ -158,6 +174,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         on_progress: Callable[[Progress], None] | None = None,
         store_timeout: float = 300.0,
         endpoints: Sequence[Endpoint] = (),
+        node_checks: CheckSettings | None = None,
     ) -> None:
         self._kv = kv
         self._endpoints = tuple(endpoints)
@@ -173,6 +190,10 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._rdzv.on_keepalive = self._keep_alive
         if local_addr:
             self._rdzv.host = local_addr  # the name the rank policies order this node by
+        if node_checks is not None and node_checks.enabled:
+            gate, settings = self._rdzv.gate, node_checks
+            gate.check, gate.action, gate.interval = (lambda: run_node_checks(settings)), settings.on_fail, \
+                settings.interval
 
     @classmethod
     def from_url(cls, url: str | RendezvousURL, **overrides: Any) -> "RdzvHandler":
@@ -193,6 +214,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
             settings["node_labels"] = environment_labels()
         if "node_order" not in settings:  # the allocation's node order (SLURM_NODEID), also under plain torchrun
             settings["node_order"] = environment_order()
+        if "node_name" not in settings:  # the ledger's identity: RDZV_NODE_NAME, the scheduler's, else the host's
+            settings["node_name"] = environment_node_name()[0]
         # the query's incarnation, else the scheduler's restart counter (a requeued Slurm job): docs/schedulers.md
         settings["incarnation"], source = incarnation_of(settings)
         if source != "default":
@@ -216,6 +239,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             on_progress=settings.get("on_progress"),
             store_timeout=float(settings.get("store_timeout", 300.0)),
             endpoints=parsed.hosts if info.spec.capabilities.multi_host else (),
+            node_checks=CheckSettings.from_query(parsed.params),
         )
 
     def _record(self, method: str, message: str, state: NodeState = NodeState.RUNNING, rank: int | None = None,
@@ -275,8 +299,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
                                         f"'{run_id}'.")
         try:
             result = self._rdzv.next_round()
-        except errors.RunConfigMismatchError:
-            self._refused = True  # this node never joined: its end must not end the run for the others
+        except (errors.RunConfigMismatchError, errors.NodeExcludedError):
+            self._refused = True  # this node never joined (or was kept out): its end must not end the run
             raise
         prefix = self._rdzv.store_prefix(result.version, result.round_id)
         store = _RoundStore(self._kv, prefix, self._store_timeout, on_exit_barrier=self._rdzv.mark_finished)
@@ -419,10 +443,40 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._leave_and_release()
         return self._closed_ok
 
+    def report_failure(self, at: float, detail: str, settle: float, peer: bool = False) -> dict[str, Any] | None:
+        """See :class:`ElasticHandler`: ``Rendezvous.report_failure`` as plain data."""
+        rdzv = self._rdzv
+        try:
+            verdict = rdzv.report_failure(at, detail, settle, peer)
+        except (errors.BackendUnavailableError, errors.BackendClosedError, errors.RendezvousStateError) as exc:
+            log.warning("run %s: could not record the failure in the node ledger: %s", rdzv.run_id, exc)
+            return None
+        if verdict is None:
+            return None
+        entry = verdict.entry
+        if verdict.first and entry.quarantined():
+            log.warning("run %s: node %s is quarantined until %s: %s", rdzv.run_id, rdzv.node_name,
+                        time.strftime("%H:%M:%S", time.localtime(entry.until or 0)), entry.why)
+        return {"culprit": verdict.culprit, "first": verdict.first, "node": rdzv.node_name,
+                "quarantined": entry.quarantined(), "until": entry.until, "why": entry.why}
+
+    def node_excluded(self, name: str) -> bool:
+        """See :class:`ElasticHandler`."""
+        try:
+            entry = self._rdzv.ledger.read(name)
+        except (errors.BackendUnavailableError, errors.BackendClosedError) as exc:
+            log.warning("run %s: could not read node %s's ledger entry: %s", self._rdzv.run_id, name, exc)
+            return False
+        return entry.quarantined() and entry.fail_open is None
+
     def _close_unless_others_carry_on(self) -> bool:
         """``set_closed()`` unless the run goes on without this node (see :meth:`shutdown`); True."""
         rdzv = self._rdzv
-        if rdzv.others_carry_on():
+        if self.node_excluded(rdzv.node_name):
+            # quarantined, and the others go on without it (docs/node-health.md): its end is not the job's
+            log.info("run %s: node %s is quarantined; leaving the run open for the others", rdzv.run_id,
+                     rdzv.node_name)
+        elif rdzv.others_carry_on():
             # torch closes the run here; but the others re-formed without this node and still train:
             # closing would stop them at their next re-formation. Leave it open.
             log.info("run %s: the other nodes carry on without this node; leaving the run open", rdzv.run_id)

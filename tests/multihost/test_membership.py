@@ -16,33 +16,11 @@ import time
 import pytest
 
 from rdzv_agent.coordination import BARRIER_PREFIX
-from tests.support.agent_workers.harness import kill_run
 
 from tests.support.waiting import eventually
-from tests.support.membership_jobs import START, TORCHRUN_BACKEND, TTL, Backend, Job
+from tests.support.membership_jobs import START, TTL, Job, training as _training
 
 pytestmark = [pytest.mark.slow, pytest.mark.membership, pytest.mark.launchers]
-
-@pytest.fixture(params=list(TORCHRUN_BACKEND))
-def backend(request, tmp_path) -> Backend:
-    scheme = request.param
-    if scheme == "file":
-        return Backend(scheme, str(tmp_path / "rdzv-store"))
-    server = request.getfixturevalue("rdzv_server_redis" if scheme == "redis" else "rdzv_server_etcd")
-    return Backend(scheme, server.address)
-
-
-@pytest.fixture
-def job(backend, tmp_path):
-    j = Job(backend, str(tmp_path))
-    yield j
-    kill_run(list(j.nodes.values()), [j.run_id])
-    j.close()
-
-
-def _training(job: Job, nodes: list[str], world: int, after: float = 0.0, steps: int = 1):
-    return lambda: all(len(job.steps_at(n, world, after)) >= steps for n in nodes)
-
 
 # -- 1. spares ---------------------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ import datetime
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from benchmarks.trainer_records import read_records
 from rdzv_core import Rendezvous, RendezvousParams, open_backend
@@ -107,3 +107,8 @@ class Job:
 
     def tails(self) -> str:
         return "\n".join(n.tail() for n in self.nodes.values())
+
+
+def training(job: Job, nodes: list[str], world: int, after: float = 0.0, steps: int = 1) -> Callable[[], bool]:
+    """A condition: each of ``nodes`` recorded at least ``steps`` steps at world size ``world`` after ``after``."""
+    return lambda: all(len(job.steps_at(n, world, after)) >= steps for n in nodes)

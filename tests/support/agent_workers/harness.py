@@ -29,7 +29,8 @@ class Launcher:
         argv: arguments after ``rdzv-run``.
         workdir: directory for ``NAME.out`` / ``NAME.err``.
         name: label for messages and file names.
-        env: extra environment variables.
+        env: extra environment variables (``RDZV_NODE_NAME`` is ``name`` unless given: the launchers of a test
+            share a host, as the nodes of a job do not).
         gate: if given, the launcher imports everything first and starts only
             once this file exists (a pre-warmed node that joins on cue).
         module: the launcher module run with ``python -m`` (``torch.distributed.run`` for torchrun).
@@ -70,6 +71,7 @@ class Launcher:
         tmpdir = os.path.join(workdir, "tmp")  # default log dirs land here, not in /tmp
         os.makedirs(tmpdir, exist_ok=True)
         full_env["TMPDIR"] = tmpdir
+        full_env["RDZV_NODE_NAME"] = "-".join(name.split()) or "node"  # a node of its own in the run's ledger
         full_env.update(env or {})
         with open(self.out_path, "wb") as out, open(self.err_path, "wb") as err:
             self.proc = subprocess.Popen(
