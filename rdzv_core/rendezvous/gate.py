@@ -60,6 +60,7 @@ class Gated(Protocol):
     keys: RunKeys
     params: RendezvousParams
     node_id: str
+    _alive_key: str | None
 
     def withdraw(self) -> None: ...
     def _read_state(self) -> tuple[Entry | None, RoundRecord | None]: ...
@@ -179,8 +180,8 @@ class Gate:
             entry = fresh
 
     def _others(self) -> int:
-        """How many other nodes are present in the run: the live round's members (not finished) and late nodes,
-        or its joined nodes, plus the nodes queued for a place."""
+        """How many other nodes are present in the run: the live round's members (not finished, not this node)
+        and late nodes, or its joined nodes, plus the nodes queued for a place."""
         machine = self.machine
         keys = machine.keys
 
@@ -192,13 +193,26 @@ class Gate:
                     present = machine._tickets(keys.joined(record.version, record.id))
                 else:
                     alive = machine.kv.list(keys.alive_dir(record.version, record.id))[0]
-                    present = sum(1 for e in alive if not _GONE & member_record(e).keys())
+                    present = sum(1 for e in alive if e.key != machine._alive_key and
+                                  not _GONE & member_record(e).keys())
                     present += machine._tickets(keys.waiting(record.version, record.id))
             mine = keys.queued(machine.node_id)
             return present + sum(1 for e in machine.kv.list(keys.queue_dir)[0] if e.key != mine)
 
         found = self._guarded(None, count)
         return found if isinstance(found, int) else machine.params.min_nodes  # unknown: do not fail open on it
+
+    def kept_out(self) -> bool:
+        """Whether this node is quarantined and the run goes on without it: it was not admitted fail-open, the
+        run has room for another node, and ``min_nodes`` other nodes are present. ``False`` when unknown.
+
+        Raises:
+            BackendClosedError: the backend was closed.
+        """
+        entry = self._guarded(None, self.ledger.read, self.name)
+        if not isinstance(entry, NodeEntry) or not entry.quarantined() or entry.fail_open is not None:
+            return False
+        return self.machine.params.limit > 1 and self._others() >= self.machine.params.min_nodes
 
     def _wait(self, deadline: float) -> bool:
         """Wait until the run's state changes or ``deadline`` (monotonic); whether the run is closed."""

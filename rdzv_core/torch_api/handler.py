@@ -472,7 +472,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
     def _close_unless_others_carry_on(self) -> bool:
         """``set_closed()`` unless the run goes on without this node (see :meth:`shutdown`); True."""
         rdzv = self._rdzv
-        if self.node_excluded(rdzv.node_name):
+        if rdzv.gate.kept_out():
             # quarantined, and the others go on without it (docs/node-health.md): its end is not the job's
             log.info("run %s: node %s is quarantined; leaving the run open for the others", rdzv.run_id,
                      rdzv.node_name)
