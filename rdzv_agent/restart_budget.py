@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .api import WorkerFailure
 from .elastic import elastic_handler
@@ -60,11 +60,13 @@ class RestartBudget:
         max_restarts: restarts allowed (int >= 0), over the job's life or per ``window``.
         window: seconds a restart counts for (``None``: for ever, torchrun's rule).
         clock: monotonic seconds (tests pass their own).
+        on_verdict: called with the handler's verdict on each failure it attributed (``report_failure``'s dict).
     """
 
     def __init__(self, max_restarts: int, window: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.max_restarts, self.window, self._clock = max_restarts, window, clock
+                 clock: Callable[[], float] = time.monotonic,
+                 on_verdict: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.max_restarts, self.window, self._clock, self._on_verdict = max_restarts, window, clock, on_verdict
         self._charges: list[Charge] = []
         self.spent = 0  #: failure restarts made so far, whatever they were charged to (TORCHELASTIC_RESTART_COUNT)
         self.culprit: str | None = None  #: the node the last failure was attributed to, when not this one
@@ -111,6 +113,8 @@ class RestartBudget:
         first = min(own or exits, key=lambda exc: exc.timestamp or 0.0)
         verdict = elastic.report_failure(first.timestamp or 0.0, first.describe(),
                                          spec.monitor_interval + ATTRIBUTION_MARGIN, not own)
+        if verdict is not None and self._on_verdict is not None:
+            self._on_verdict(verdict)
         if verdict is not None and not verdict["first"]:
             self.culprit = str(verdict["culprit"])
             log.info("[%s] node %s's workers failed first: this node's failure restart is charged to it", spec.role,

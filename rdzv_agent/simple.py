@@ -149,7 +149,8 @@ class SimpleElasticAgent(ElasticAgent):
         self._exit_barrier_timeout = float(exit_barrier_timeout)
         self._exit_barrier_outcome: str | None = None
         self._worker_group = WorkerGroup(spec)
-        self._budget = RestartBudget(spec.max_restarts, spec.restart_window)
+        self._budget = RestartBudget(spec.max_restarts, spec.restart_window,
+                                     on_verdict=lambda verdict: self._emit("attributed", **verdict))
         self._setup_retries_left = MAX_SETUP_RETRIES
         self._membership_restarts = 0
         self._rendezvous_count = 0

@@ -168,6 +168,12 @@ class Reporter:
             self.say(f"restarting the worker group: {reason}")
             for exc in list(d.get("failures", {}).values())[:3]:
                 self.say(f"  {exc}")
+        elif event.kind == "attributed":  # the node ledger's verdict (docs/node-health.md)
+            if d.get("first") and d.get("quarantined"):
+                until = time.strftime("%H:%M:%S", time.localtime(float(d.get("until") or 0)))
+                self.say(f"this node ({d.get('node')}) is quarantined until {until}: {d.get('why')}")
+            elif d.get("culprit") and not d.get("first"):
+                self.say(f"node {d['culprit']}'s workers failed first: this failure is charged to it")
         elif event.kind == "failed":
             self.say("worker group failed; " + ("no restarts left" if d.get("restart", True) else "not restartable"))
         elif event.kind == "exit_barrier":

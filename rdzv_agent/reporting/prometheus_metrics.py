@@ -83,6 +83,13 @@ class AgentMetrics:
                                   ["op"], buckets=LATENCY_BUCKETS, registry=reg)
         self.request_errors = Counter("rdzv_backend_request_errors", "Backend requests that raised, by operation "
                                       "and error", ["op", "error"], registry=reg)
+        self.attributed = Counter("rdzv_failures_attributed", "This node's worker failures, by the node the "
+                                  "ledger charged: this node, another node, or nobody (a lost peer)", ["to"],
+                                  registry=reg)
+        for to in ("self", "other", "nobody"):
+            self.attributed.labels(to)
+        self.quarantined_until = Gauge("rdzv_node_quarantined_until_timestamp_seconds", "Until when the ledger "
+                                       "quarantines this node (Unix seconds; 0: not quarantined)", registry=reg)
         self._progress: Callable[[], Mapping[int, tuple[int, int, float]]] = dict
         reg.register(_Progress(lambda: self._progress()))
         self._rendezvous_started: float | None = None
@@ -110,6 +117,11 @@ class AgentMetrics:
             self.group_rank.set(event.data.get("group_rank") or 0)
         elif event.kind == "restarting":
             self.restarts.labels(RESTART_CAUSES.get(str(event.data.get("reason")), "failure")).inc()
+        elif event.kind == "attributed":  # the node ledger's verdict on a failure (docs/node-health.md)
+            first, culprit = bool(event.data.get("first")), event.data.get("culprit")
+            self.attributed.labels("self" if first else "other" if culprit else "nobody").inc()
+            until = event.data.get("until")
+            self.quarantined_until.set(float(until) if event.data.get("quarantined") and until else 0.0)
 
     # -- rdzv_core.observe -------------------------------------------------------------------------
     def backend_request(self, op: str, seconds: float, error: BaseException | None) -> None:

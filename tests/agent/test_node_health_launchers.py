@@ -149,3 +149,20 @@ def test_a_check_that_hangs_fails_within_its_timeout(procs, tmp_path) -> None:
                      "--no-python", "true"], "C")
     assert c.wait(120) == 1, c.tail()
     assert "timed out" in c.stderr()
+
+
+def test_the_ledgers_verdicts_are_counted_in_the_metrics() -> None:
+    from rdzv_agent.reporting.prometheus_metrics import AgentMetrics
+    from rdzv_agent.simple import AgentEvent
+
+    metrics = AgentMetrics()
+    for verdict in ({"first": True, "culprit": "me", "quarantined": True, "until": 1234.5},
+                    {"first": False, "culprit": "lemon", "quarantined": False, "until": None},
+                    {"first": False, "culprit": None, "quarantined": False, "until": None}):
+        metrics.on_event(AgentEvent("attributed", "default", verdict))
+    sample = metrics.registry.get_sample_value
+    assert [sample("rdzv_failures_attributed_total", {"to": to}) for to in ("self", "other", "nobody")] == [1, 1, 1]
+    assert sample("rdzv_node_quarantined_until_timestamp_seconds") == 0.0  # the last verdict: not quarantined
+    metrics.on_event(AgentEvent("attributed", "default", {"first": True, "culprit": "me", "quarantined": True,
+                                                           "until": 99.0}))
+    assert sample("rdzv_node_quarantined_until_timestamp_seconds") == 99.0
