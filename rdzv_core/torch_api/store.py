@@ -339,7 +339,7 @@ class KVStore(_C10dStore):
         except dist.DistStoreError as exc:
             arrived = self.add(count, 0)
             raise dist.DistStoreError(
-                f"barrier {key!r} under {self._prefix!r}: {arrived} of {world_size} arrived within {limit}"
+                f"barrier {key!r} under {self._prefix!r}: timeout: {arrived} of {world_size} arrived within {limit}"
             ) from exc
 
     def _await_change(self, prefix: str, revision: int, until: float, seconds: float, what: str) -> None:
@@ -353,7 +353,7 @@ class KVStore(_C10dStore):
             if time.monotonic() < until - _CUT_SLACK:
                 raise
             cut = exc
-        raise dist.DistStoreError(f"timed out after {seconds:.3f} s waiting for {what} under {self._prefix!r}") from cut
+        raise dist.DistStoreError(f"timeout after {seconds:.3f} s waiting for {what} under {self._prefix!r}") from cut
 
     def _wait_get(self, keys: Sequence[str | bytes], timeout: datetime.timedelta, queues: bool = False) -> list[bytes]:
         """Values of ``keys`` once all are set; a zero timeout waits forever (c10d's kNoTimeout).
