@@ -98,12 +98,17 @@ def _file_url(tmp_path, run_id: str) -> str:
             f"&timeout=60")
 
 
+@pytest.mark.agent_scenario  # over file:// and redis:// (tests/conftest.py)
 @pytest.mark.parametrize("launcher", ["rdzv-run", "torchrun"])
-def test_a_node_whose_check_fails_never_starts_workers_and_the_others_train(launcher, procs, tmp_path) -> None:
+def test_a_node_whose_check_fails_never_starts_workers_and_the_others_train(launcher, node_url, rdzv_base_url, procs,
+                                                                             tmp_path) -> None:
     """``--nnodes 1:2``: node C's check fails (its last line is the reason): C never starts a worker and is shown
     unhealthy in the ledger; A trains alone and finishes; C ends non-zero once the run is closed."""
+    scheme, _, endpoint = rdzv_base_url.partition("://")
+    if launcher == "torchrun" and scheme != "file":
+        pytest.skip("torchrun: the rdzv-file handler is enough (the check runs in the handler, the same everywhere)")
     run_id = new_run(procs)
-    url = _file_url(tmp_path, run_id)
+    url = node_url(run_id, min_nodes="1", max_nodes="2")
     check = _script(tmp_path, "check.sh", "echo checking GPUs\necho GPU 3 missing\nexit 1\n")
     done = tmp_path / "done"
     out_a, out_c = str(tmp_path / "out-a"), str(tmp_path / "out-c")
@@ -112,11 +117,11 @@ def test_a_node_whose_check_fails_never_starts_workers_and_the_others_train(laun
         c = procs.start(["--rdzv", url, "--node-check", check, "--monitor-interval", "0.1", *worker, "--out", out_c],
                         "C")
     else:
-        c = procs.start(["--nnodes", "1:2", "--rdzv-backend", "rdzv-file", "--rdzv-endpoint", f"{tmp_path}/rdzv",
+        c = procs.start(["--nnodes", "1:2", "--rdzv-backend", "rdzv-file", "--rdzv-endpoint", endpoint.split("?")[0],
                          "--rdzv-id", run_id, "--rdzv-conf", "last_call_timeout=0.5,keep_alive_ttl=2,join_timeout=60",
                          "--monitor-interval", "0.1", *worker, "--out", out_c], "C",
                         env={"PET_NODE_CHECK": check}, module="torch.distributed.run")
-    kv = open_backend(f"file://{tmp_path}/rdzv/")
+    kv = open_backend(rdzv_base_url)
     try:
         ledger = NodeLedger(kv, RunKeys("torchelastic/p2p", run_id), QuarantinePolicy())
         eventually(lambda: ledger.read("C").check, 120, "C's failing check in the ledger", c.tail)
