@@ -227,6 +227,22 @@ def _node_check_action(field_name: str, raw: str) -> str:
     return raw
 
 
+def _factor(field_name: str, raw: str) -> float:
+    """A factor > 1 (``network_check_factor``)."""
+    _check_number_text(field_name, raw)
+    if not _FLOAT_TEXT.fullmatch(raw) or not 1 < float(raw) <= 1e9:
+        raise InvalidURLError(field_name, raw, "must be a number > 1 and <= 1e9")
+    return float(raw)
+
+
+def _mebibytes(field_name: str, raw: str) -> float:
+    """MiB > 0 (``network_check_mib``)."""
+    _check_number_text(field_name, raw)
+    if not _FLOAT_TEXT.fullmatch(raw) or not 0 < float(raw) <= 1e6:
+        raise InvalidURLError(field_name, raw, "must be a number of MiB > 0 and <= 1e6")
+    return float(raw)
+
+
 Converter = Callable[[str, str], Any]
 
 #: Query keys understood for every backend (canonical name -> converter).
@@ -257,6 +273,11 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "quarantine_after": lambda f, v: to_int(f, v, 0),
     "quarantine_window": to_positive_float,
     "quarantine_cooldown": to_positive_float,
+    # the network check of every formed round (rdzv_core.torch_api.netcheck, docs/node-health.md)
+    "network_check": to_bool,
+    "network_check_mib": _mebibytes,
+    "network_check_factor": _factor,
+    "network_check_timeout": to_positive_float,
 }
 
 #: Other names accepted for the canonical keys (torchelastic's and torch's names).

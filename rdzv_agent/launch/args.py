@@ -13,7 +13,7 @@
              [--logs-specs NAME] [--event-log-handler NAME] [--metrics-handler SPEC] [--hang-timeout S]
              [--metrics-port PORT] [--keep-orphans] [--warm-workers | --no-warm-workers]
              [--warm-imports MOD,...] [--node-check CMD] [--node-check-timeout S] [--node-check-dir DIR]...
-             [--node-check-min-free-mb N] [--node-check-action {wait,exit}] SCRIPT [ARGS...]
+             [--node-check-min-free-mb N] [--node-check-action {wait,exit}] [--network-check] SCRIPT [ARGS...]
 
 ``python -m rdzv_agent`` is the same command. Every option with a dash also has
 torchrun's underscore spelling (``--nproc_per_node``). The URL may also come
@@ -399,6 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="MiB each --node-check-dir needs free (default 1024)")
     opt("--node-check-action", pet=False, default=None, choices=NODE_CHECK_ACTIONS,
         help="when a check fails: wait (re-check, default) or exit")
+    opt("--network-check", pet=False, action="store_true",
+        help="check the network of every formed round before the workers start (a ring of TCP transfers between "
+             "the nodes); a node whose links are much slower than the others' is quarantined and left out while "
+             "min_nodes are met (query key network_check; docs/node-health.md)")
     opt("--log-level", pet=False, default=None, metavar="LEVEL",
         help="launcher log level (default: env LOGLEVEL or WARNING)")
     p.add_argument("script", metavar="SCRIPT", help="training script, module (-m) or executable (--no-python)")

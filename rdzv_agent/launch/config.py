@@ -12,7 +12,8 @@ into a :class:`LaunchConfig`: the worker command and the launch *target*, one of
 * :class:`Standalone`: a ``file://`` rendezvous in a directory the launcher creates.
 
 The ``--node-check*`` options become the URL's ``node_check*`` query keys (:func:`node_check_params`),
-so the rendezvous handler runs the checks, as under plain torchrun (``docs/node-health.md``).
+so the rendezvous handler runs the checks, as under plain torchrun (``docs/node-health.md``); so does
+``--network-check`` (``network_check=1``).
 
 What each torchrun option does here, and where it differs from torchrun, is the
 parity table in ``docs/torchrun.md`` (static mode: ``--node-rank``/``--master-addr``/
@@ -276,7 +277,8 @@ def _node_check_options(args: argparse.Namespace) -> list[tuple[str, str, Any]]:
              ("node_check_timeout", "--node-check-timeout", getattr(args, "node_check_timeout", None)),
              ("node_check_dirs", "--node-check-dir", ":".join(dirs) if dirs else None),
              ("node_check_min_free_mb", "--node-check-min-free-mb", getattr(args, "node_check_min_free_mb", None)),
-             ("node_check_action", "--node-check-action", getattr(args, "node_check_action", None))]
+             ("node_check_action", "--node-check-action", getattr(args, "node_check_action", None)),
+             ("network_check", "--network-check", "1" if getattr(args, "network_check", False) else None)]
     return [(key, option, value) for key, option, value in given
             if value is not None and not (value == "" and env_source(args, option))]
 

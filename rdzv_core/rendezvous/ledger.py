@@ -250,9 +250,11 @@ class NodeLedger:
                 continue  # someone else wrote it meanwhile: read again
         raise RendezvousStateError(f"node ledger entry {key!r} changed under {_UPDATE_ATTEMPTS} updates in a row", key)
 
-    def offend(self, name: str, kind: str, detail: str, at: float | None = None) -> NodeEntry:
+    def offend(self, name: str, kind: str, detail: str, at: float | None = None,
+               quarantine_now: bool = False) -> NodeEntry:
         """Record an offence of node ``name`` (``kind`` from :data:`OFFENCE_KINDS`) and quarantine it when it
-        reached the policy's count within the window.
+        reached the policy's count within the window -- or at once with ``quarantine_now`` (the cooldown as
+        usual; never while the policy is off: ``quarantine_after=0``).
 
         Raises:
             ConfigError: ``kind`` is not an offence kind.
@@ -266,12 +268,15 @@ class NodeLedger:
         def change(entry: NodeEntry) -> NodeEntry:
             now = self.clock()
             recent = tuple(o for o in entry.offences if o.at > now - policy.window) + (offence,)
-            if not policy.enabled or entry.quarantined(now) or len(recent) < policy.after:
+            if not policy.enabled or entry.quarantined(now) or (len(recent) < policy.after and not quarantine_now):
                 return replace(entry, offences=recent)
             count = entry.quarantines + 1
             until = now + policy.cooldown_of(count)
             kinds = ", ".join(sorted({o.kind for o in recent}))
-            why = _one_line(f"{len(recent)} offences ({kinds}) within {policy.window:g} s; the last: {offence.detail}")
+            why = f"{len(recent)} offences ({kinds}) within {policy.window:g} s; the last: {offence.detail}"
+            if len(recent) < policy.after:  # quarantine_now
+                why = f"a {kind} offence, quarantined at once: {offence.detail}"
+            why = _one_line(why)
             return replace(entry, offences=recent, quarantines=count, until=until, why=why, fail_open=None)
 
         return self.update(name, change)

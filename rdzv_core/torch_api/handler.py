@@ -37,7 +37,7 @@ from torch.distributed.elastic.rendezvous import api as torch_api
 
 from .. import errors, observe
 from ..rendezvous import progress_keys
-from .address import Endpoint, published_address
+from .address import Endpoint, choose_address, published_address
 from ..backoff import Backoff
 from ..kv import KVBackend
 from ..labels import environment_labels, environment_node_name, environment_order, incarnation_of
@@ -46,6 +46,7 @@ from ..node_checks import CheckSettings, run_node_checks
 from ..outage import OutageLog
 from ..plugins import parse_backend_url
 from ..rendezvous import Progress, Rendezvous, RendezvousParams
+from .netcheck import NetcheckSettings, checked_round
 from .store import KVStore
 from ..url import RendezvousURL
 
@@ -162,6 +163,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         store_timeout: default timeout of the returned store (seconds, default 300).
         endpoints: the backend's ``(host, port)`` pairs, for that rule (``()``: no network endpoint).
         node_checks: the pre-flight checks run before each round (:mod:`rdzv_core.node_checks`), or ``None``.
+        network_check: the network check of each formed round (:mod:`rdzv_core.torch_api.netcheck`), or ``None``.
     """
 
     def __init__(
@@ -175,6 +177,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         store_timeout: float = 300.0,
         endpoints: Sequence[Endpoint] = (),
         node_checks: CheckSettings | None = None,
+        network_check: NetcheckSettings | None = None,
     ) -> None:
         self._kv = kv
         self._endpoints = tuple(endpoints)
@@ -188,6 +191,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._waiting_outage = OutageLog(log.log)
         self._progress_outage = OutageLog(log.log)
         self._rdzv.on_keepalive = self._keep_alive
+        self._netcheck = network_check or NetcheckSettings()
         if local_addr:
             self._rdzv.host = local_addr  # the name the rank policies order this node by
         if node_checks is not None and node_checks.enabled:
@@ -240,6 +244,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
             store_timeout=float(settings.get("store_timeout", 300.0)),
             endpoints=parsed.hosts if info.spec.capabilities.multi_host else (),
             node_checks=CheckSettings.from_query(parsed.params),
+            network_check=NetcheckSettings.from_query(parsed.params),
         )
 
     def _record(self, method: str, message: str, state: NodeState = NodeState.RUNNING, rank: int | None = None,
@@ -298,7 +303,8 @@ class RdzvHandler(torch_api.RendezvousHandler):
         self._record("next_rendezvous", f"The node '{node}' attempts to join the next round of the rendezvous "
                                         f"'{run_id}'.")
         try:
-            result = self._rdzv.next_round()
+            result = checked_round(self._rdzv, self._netcheck,  # next_round, with the network check when asked
+                                   lambda: choose_address(self._local_addr, self._endpoints)[0])
         except (errors.RunConfigMismatchError, errors.NodeExcludedError):
             self._refused = True  # this node never joined (or was kept out): its end must not end the run
             raise
