@@ -132,13 +132,13 @@ class Rendezvous(RoundMachine):
         """This node's workers failed in its current round at Unix time ``at`` (the first worker's exit;
         ``detail``: one line; ``peer``: because a peer was lost): report it and find who failed first
         (:meth:`NodeLedger.attribute`, waiting up to ``settle`` s after ``at`` for earlier reports). ``None``
-        outside a round.
+        outside a round, and in a job of one node (``max_nodes`` 1: nobody could take its place).
 
         Raises:
             BackendUnavailableError, BackendClosedError, RendezvousStateError: from the backend.
         """
         current = self.current
-        if current is None:
+        if current is None or self.params.limit <= 1:  # a job of one node: nobody could take its place
             return None
         return self.ledger.attribute(self.node_name, current.version, current.round_id or None, at, detail, settle,
                                      peer)

@@ -48,14 +48,16 @@ RUN_WITHIN = 120.0
 
 def _run(tmp_path, name, argv, *, warm, env=None, wait=True):
     """A standalone launcher: ``warm`` True (``--warm-workers``), False (``--no-warm-workers``) or None (neither:
-    the default); the next warm generation is started as soon as the workers run (``RDZV_WARM_AFTER=0``)."""
+    the default); the next warm generation is started as soon as the workers run (``RDZV_WARM_AFTER=0``). Every
+    launcher is the same node (``RDZV_NODE_NAME``): the workers' environments are compared."""
     out = tmp_path / f"out-{name}"
     out.mkdir()
     log_dir = tmp_path / f"logs-{name}"
     flags = {True: ["--warm-workers"], False: ["--no-warm-workers"], None: []}[warm]
     launcher = Launcher(["--standalone", "--monitor-interval", "0.1", "--log-dir", str(log_dir), *flags, *argv],
                         str(tmp_path), name,
-                        env={"WARM_PROBE_OUT": str(out), "RDZV_WARM_AFTER": "0", **(env or {})})
+                        env={"WARM_PROBE_OUT": str(out), "RDZV_WARM_AFTER": "0", "RDZV_NODE_NAME": "node",
+                             **(env or {})})
     launcher.out, launcher.log_dir = str(out), str(log_dir)
     if wait:
         launcher.code = launcher.wait(RUN_WITHIN)
