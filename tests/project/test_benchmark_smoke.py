@@ -138,3 +138,30 @@ def test_elasticity_report_marks_a_baseline_that_never_recovered() -> None:
     verdicts = {v["what"]: v["met"] for v in summary["verdicts"]}
     assert verdicts == {"defaults: freeze rdzv-run:redis <= 6.5 s": False,
                         "defaults: freeze rdzv-run:redis >= 10x faster than torchrun:c10d": True}
+
+
+def test_lemon_benchmark_smoke_the_ledger_seats_the_spare_and_the_lemon_stops_starting(tmp_path) -> None:
+    """``python -m benchmarks.lemon --smoke``: 3 real rdzv-run nodes and a spare over file://, one a lemon, 60 s
+    with the ledger (cooldown 30 s) and 60 s without (about 2.5 min). Outcomes only: with the ledger the job trains
+    at world size 3 with the spare and the lemon started at most twice before its quarantine ended; without it the
+    lemon started more often; no process of either arm is left."""
+    import psutil
+
+    out = tmp_path / "lemon.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.lemon", "--smoke", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    arms = {r["arm"]: r for r in json.loads(out.read_text())["results"]}
+    ledger, plain = arms["ledger"], arms["no-ledger"]
+    assert ledger["first_world3_s"] is not None and ledger["spare_trained"] and ledger["training_s"] > 0, ledger
+    assert ledger["quarantines"] >= 1 and ledger["lemon_starts_before_cooldown_end"] <= 2, ledger
+    assert plain["lemon_starts"] > ledger["lemon_starts_before_cooldown_end"], (plain, ledger)
+    tags = {r["tag"] for r in arms.values()}
+    left = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("LEMON_BENCH_TAG") in tags:
+                left.append(p.pid)
+        except psutil.Error:
+            continue
+    assert not left, f"processes of the benchmark still running: {left}"
