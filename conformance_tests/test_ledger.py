@@ -203,3 +203,16 @@ def test_a_node_whose_check_fails_gives_up_when_told_to(crew) -> None:
     sick.start()
     assert sick.done.wait(10)
     assert isinstance(sick.error, NodeExcludedError) and "10 MiB free" in sick.error.reason
+
+
+def test_runs_under_one_prefix_share_a_prefix_scoped_ledger_and_not_a_run_scoped_one(
+        kv_factory: Callable[[], KVBackend]) -> None:
+    prefix = f"ldg{uuid.uuid4().hex[:8]}"
+    policy = QuarantinePolicy(after=1)
+    first, second = (RunKeys(prefix, f"job{i}") for i in (1, 2))
+    kv = kv_factory()
+    NodeLedger(kv, first, policy, scope="prefix").offend("lemon", "failed", "exit 3")
+    assert NodeLedger(kv, second, policy, scope="prefix").read("lemon").quarantined()
+    assert NodeLedger(kv, second, policy).read("lemon").offences == ()  # the run's own ledger knows nothing of it
+    NodeLedger(kv, first, policy).offend("other", "failed", "exit 3")
+    assert not NodeLedger(kv, second, policy, scope="prefix").read("other").offences

@@ -151,6 +151,16 @@ def _reform(field_name: str, raw: str) -> str:
     return raw
 
 
+#: Where a run's node ledger lives: the run's own keys, or the key prefix (shared by every run under it).
+LEDGER_SCOPES = ("run", "prefix")
+
+
+def _one_of(field_name: str, raw: str, choices: tuple[str, ...]) -> str:
+    if raw not in choices:
+        raise InvalidURLError(field_name, raw, f"must be one of {', '.join(choices)}")
+    return raw
+
+
 def _rank_policy(field_name: str, raw: str) -> str:
     if raw not in RANK_POLICIES:
         raise InvalidURLError(field_name, raw, f"must be one of {', '.join(RANK_POLICIES)}")
@@ -273,6 +283,7 @@ RENDEZVOUS_QUERY_KEYS: dict[str, Converter] = {
     "quarantine_after": lambda f, v: to_int(f, v, 0),
     "quarantine_window": to_positive_float,
     "quarantine_cooldown": to_positive_float,
+    "ledger_scope": lambda f, v: _one_of(f, v, LEDGER_SCOPES),
     # the network check of every formed round (rdzv_core.torch_api.netcheck, docs/node-health.md)
     "network_check": to_bool,
     "network_check_mib": _mebibytes,

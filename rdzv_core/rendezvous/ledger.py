@@ -190,20 +190,30 @@ class NodeLedger:
     Args:
         kv: the backend; keys: the run's keys; policy: the :class:`QuarantinePolicy`.
         clock: Unix time (``time.time``; tests pass their own).
+        scope: ``"run"`` (the run's own keys) or ``"prefix"`` (``PREFIX/nodes/``: every run under the key prefix
+            shares it; entries get a TTL so it stays bounded).
     """
 
     def __init__(self, kv: KVBackend, keys: RunKeys, policy: QuarantinePolicy,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.kv, self.keys, self.policy, self.clock = kv, keys, policy, clock
+                 clock: Callable[[], float] = time.time, scope: str = "run") -> None:
+        self.kv, self.keys, self.policy, self.clock, self.scope = kv, keys, policy, clock, scope
 
     @property
     def directory(self) -> str:
-        """``ROOT/nodes/``: every node's entry."""
-        return join_key(self.keys.root, "nodes") + "/"
+        """``ROOT/nodes/`` (scope ``run``) or ``PREFIX/nodes/`` (scope ``prefix``: shared by every run under the
+        prefix): every node's entry."""
+        return join_key(self.keys.root if self.scope == "run" else self.keys.prefix, "nodes") + "/"
 
     def key(self, name: str) -> str:
-        """``ROOT/nodes/NAME`` (the name escaped as one segment)."""
+        """The entry of node ``name`` (escaped as one segment) in :attr:`directory`."""
         return self.directory + escape_segment(name)
+
+    def _ttl(self, entry: "NodeEntry") -> float | None:
+        """A shared ledger's entry lives while it matters (its window, its quarantine) and a minute more; a run's
+        lives as long as the run's keys."""
+        if self.scope == "run":
+            return None
+        return max(self.policy.window, (entry.until or 0.0) - self.clock()) + 60.0
 
     def failures_dir(self, version: int, rid: str | None) -> str:
         """``ROOT/v_V.ID/failures/``: the round's failure reports."""
@@ -242,9 +252,9 @@ class NodeLedger:
             value = encode_json(new.as_dict())
             try:
                 if stored is None:
-                    self.kv.create(key, value)
+                    self.kv.create(key, value, ttl=self._ttl(new))
                 else:
-                    self.kv.compare_and_swap(key, value, stored.revision)
+                    self.kv.compare_and_swap(key, value, stored.revision, ttl=self._ttl(new))
                 return new
             except (KeyExistsError, CompareFailedError, KeyNotFoundError):
                 continue  # someone else wrote it meanwhile: read again

@@ -86,7 +86,7 @@ class RoundMachine(Membership):
         self.host = socket.gethostname()
         #: this node's name in the run's ledger (``node_name``: the scheduler's node name, else the host name).
         self.node_name = params.node_name or socket.gethostname()
-        self.ledger = NodeLedger(kv, self.keys, params.quarantine)
+        self.ledger = NodeLedger(kv, self.keys, params.quarantine, scope=params.ledger_scope)
         #: the gate before each round: pre-flight checks (the handler sets them) and quarantine.
         self.gate = Gate(self, self.ledger, self.node_name)
         #: ``(version, round id, group rank)`` of the last round this node was a member of (``stable`` ranks).

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from ..errors import ConfigError
-from ..url import DEFAULT_RANK_POLICY, DEFAULT_REFORM, RANK_POLICIES, REFORM_RULES, node_name, parse_node_labels
+from ..url import (DEFAULT_RANK_POLICY, DEFAULT_REFORM, LEDGER_SCOPES, RANK_POLICIES, REFORM_RULES, node_name,
+                   parse_node_labels)
 from .ledger import QuarantinePolicy
 
 __all__ = ["RendezvousParams", "RoundResult", "Progress", "MIN_KEEP_ALIVE_TTL", "DEFAULT_CLOSED_RUN_TTL"]
@@ -50,6 +51,8 @@ class RendezvousParams:
                                     quarantine a node (0: never; ``docs/node-health.md``)
     quarantine_window    3600.0     seconds an offence counts for
     quarantine_cooldown  600.0      seconds of a first quarantine (doubles each time)
+    ledger_scope         run        where the node ledger lives: ``run`` (its own keys)
+                                    or ``prefix`` (shared by every run under the prefix)
     ===================  =========  ===================================================
 
     Raises:
@@ -73,6 +76,7 @@ class RendezvousParams:
     quarantine_after: int = 2
     quarantine_window: float = 3600.0
     quarantine_cooldown: float = 600.0
+    ledger_scope: str = "run"
 
     @classmethod
     def from_query(cls, query: Mapping[str, Any]) -> "RendezvousParams":
@@ -84,7 +88,7 @@ class RendezvousParams:
         """
         fields = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix", "rank_policy",
                   "node_rank", "node_labels", "node_order", "closed_run_ttl", "reform", "incarnation", "node_name",
-                  "quarantine_after", "quarantine_window", "quarantine_cooldown")
+                  "quarantine_after", "quarantine_window", "quarantine_cooldown", "ledger_scope")
         return cls(**{"min_nodes": 1, **{k: query[k] for k in fields if k in query}})
 
     def __post_init__(self) -> None:
@@ -130,6 +134,8 @@ class RendezvousParams:
         if self.node_name is not None:
             node_name("node_name", self.node_name)
         QuarantinePolicy(self.quarantine_after, self.quarantine_window, self.quarantine_cooldown)  # checks them
+        if self.ledger_scope not in LEDGER_SCOPES:
+            raise ConfigError("ledger_scope", self.ledger_scope, f"must be one of {', '.join(LEDGER_SCOPES)}")
         if not isinstance(self.node_labels, str):
             raise ConfigError("node_labels", self.node_labels, "must be text KEY=VALUE[,KEY=VALUE...]")
         parse_node_labels("node_labels", self.node_labels)

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 HANDLER_OVERRIDES = ("min_nodes", "max_nodes", "timeout", "last_call_timeout", "keep_alive_ttl", "prefix",
                      "local_addr", "on_progress", "store_timeout", "backend_name", "rank_policy", "node_rank",
                      "node_labels", "closed_run_ttl", "reform", "incarnation", "node_name", "quarantine_after",
-                     "quarantine_window", "quarantine_cooldown")
+                     "quarantine_window", "quarantine_cooldown", "ledger_scope")
 
 T = TypeVar("T")
 
