@@ -14,6 +14,7 @@ faulty node is quarantined keeps its full budget.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -37,6 +38,10 @@ ATTRIBUTION_MARGIN = 0.3
 PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
              "NCCL communicator was aborted", "ncclRemoteError", "DistNetworkError", "Socket Timeout",
              "Timed out waiting", "Connection refused", "collective operation timeout")
+
+
+#: Exit statuses of workers the agent stopped (its SIGTERM or SIGKILL, a forwarded SIGINT): not their own failure.
+STOP_CODES = frozenset({-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT})
 
 
 def peer_loss(error: str) -> bool:
@@ -97,16 +102,17 @@ class RestartBudget:
         self._charges = [c for c in self._charges if c.culprit not in gone]
         return before - len(self._charges)
 
-    def attribute(self, spec: "WorkerSpec", failures: dict[int, Exception]) -> str | None:
+    def attribute(self, spec: "WorkerSpec", failures: dict[int, Exception], stopped: bool = False) -> str | None:
         """Report this node's failed workers to the handler's node ledger (rdzv's handlers: ``report_failure``)
         and set :attr:`culprit`: the node whose workers failed first, when it is another one (``None``: this node,
         or unknown). Workers whose error says a peer was lost (:func:`peer_loss`) are reported as such: never the
         culprit. Hangs are not reported: every node of a hung collective stops progressing at once, so who hung
-        first cannot be told by time."""
+        first cannot be told by time. ``stopped``: the agent stopped the workers (a membership change): only those
+        that had failed of their own (not by its :data:`STOP_CODES`) are reported."""
         self.culprit = None
         elastic = elastic_handler(spec.rdzv_handler)
         exits = [exc for exc in failures.values() if isinstance(exc, WorkerFailure) and not isinstance(exc, WorkerHang)
-                 and exc.timestamp is not None]
+                 and exc.timestamp is not None and not (stopped and exc.exit_code in STOP_CODES)]
         if elastic is None or not exits:
             return None
         own = [exc for exc in exits if not peer_loss(exc.error)]  # the workers that failed of their own

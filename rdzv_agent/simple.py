@@ -66,8 +66,6 @@ log = logging.getLogger(__name__)
 
 #: Re-rendezvous rounds per run for setup trouble (port taken, master endpoint missing).
 MAX_SETUP_RETRIES = 3
-#: Exit statuses of workers the agent stopped (its SIGTERM or SIGKILL, a forwarded SIGINT): not their own failure.
-STOP_CODES = frozenset({-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT})
 #: torch's default ``exit_barrier_timeout`` (seconds).
 DEFAULT_EXIT_BARRIER_TIMEOUT = 300.0
 #: Seconds the agent waits for the round's other agents in its store (master endpoint, ranks) before
@@ -374,11 +372,7 @@ class SimpleElasticAgent(ElasticAgent):
         start = time.monotonic()
         self._stop_workers(worker_group)
         if membership:
-            failed = self._monitor_workers(worker_group)
-            own: dict[int, Exception] = {rank: exc for rank, exc in failed.exceptions.items() if isinstance(
-                exc, WorkerFailure) and exc.exit_code is not None and exc.exit_code not in STOP_CODES}
-            if own:
-                self._budget.attribute(worker_group.spec, own)
+            self._budget.attribute(worker_group.spec, self._monitor_workers(worker_group).exceptions, stopped=True)
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)
         log.info("[%s] restart took %.1f s", worker_group.spec.role, time.monotonic() - start)
