@@ -28,7 +28,7 @@ import functools
 import logging
 import os
 import time
-from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch.distributed as dist
 from torch.distributed.elastic.events import construct_and_record_rdzv_event
@@ -47,6 +47,7 @@ from ..outage import OutageLog
 from ..plugins import parse_backend_url
 from ..rendezvous import Progress, Rendezvous, RendezvousParams
 from .netcheck import NetcheckSettings, checked_round
+from .elastic_api import ElasticHandler
 from .store import KVStore
 from ..url import RendezvousURL
 
@@ -102,52 +103,6 @@ def _recorded(fn: Callable[..., T]) -> Callable[..., T]:
             raise
 
     return wrapper
-
-
-@runtime_checkable
-class ElasticHandler(Protocol):
-    """What an elastic agent (``rdzv-run``'s) uses from a rendezvous handler beyond torch's
-    ``RendezvousHandler``. :class:`RdzvHandler` implements it; torch's own handlers (c10d, static, etcd)
-    do not, and an agent then does without each of these. Test with ``isinstance(handler, ElasticHandler)``.
-    """
-
-    @property
-    def endpoints(self) -> tuple[Endpoint, ...]:
-        """The backend's ``(host, port)`` endpoints (``()`` without a network endpoint): the route to them
-        picks the address published as ``MASTER_ADDR``."""
-        ...
-
-    @property
-    def params(self) -> RendezvousParams:
-        """The rendezvous settings (``min_nodes``, ``max_nodes``, ``timeout`` in seconds, ...)."""
-        ...
-
-    def round_version(self) -> int | None:
-        """The version of the round this node is in (its last completed rendezvous), ``None`` outside one."""
-        ...
-
-    def publish_progress(self, workers: dict[int, tuple[int, float]], ttl: float,
-                         hang_timeout: float | None = None) -> bool:
-        """Publish this node's workers' progress (global rank -> ``(step, Unix seconds)``) for ``ttl``
-        seconds; ``False`` when it was not written (never raises on a backend error)."""
-        ...
-
-    def release(self, finished: bool = False) -> None:
-        """Leave the round and release the backend, leaving the run open for the others."""
-        ...
-
-    def report_failure(self, at: float, detail: str, settle: float, peer: bool = False) -> dict[str, Any] | None:
-        """This node's workers failed at Unix time ``at`` (``detail``: one line; ``peer``: because a peer was
-        lost, never the culprit): record it in the run's node ledger and say who failed first, waiting up to
-        ``settle`` s after ``at`` for earlier reports: ``{"culprit": NAME, "first": bool, "node": this node's
-        name, "quarantined": bool, "until": UNIX_TIME | None, "why": str}``; ``None`` when unknown (outside a
-        round, backend unreachable: never raises)."""
-        ...
-
-    def node_excluded(self, name: str) -> bool:
-        """Whether node ``name`` is quarantined and the run goes on without it (it was not admitted fail-open);
-        ``False`` when unknown (never raises)."""
-        ...
 
 
 class RdzvHandler(torch_api.RendezvousHandler):
