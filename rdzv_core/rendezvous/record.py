@@ -18,6 +18,8 @@ Keys, under ``ROOT = PREFIX/run_RUN_ID`` (:class:`RunKeys`; incarnation N > 0 of
     ROOT/v_V.ID/ranks           group rank of each slot, when the round's rank policy is not join
     ROOT/v_V.ID/extra/KEY       extra data of round V
     ROOT/v_V.ID/progress/rank_R progress of the node of rank R (TTL; see rdzv_core.rendezvous.progress_keys)
+    ROOT/v_V.ID/failures/NAME   node NAME's workers failed in round V (see rdzv_core.rendezvous.ledger)
+    ROOT/nodes/NAME             node NAME's ledger entry (see rdzv_core.rendezvous.ledger)
     ROOT/store/v_V.ID/...       the c10d Store of round V (see rdzv_core.torch_api.store)
 
 ``ID`` is the round record's random id (:func:`round_segment`). The three per-round counts are
