@@ -4,8 +4,9 @@
 (``rdzv_core.create_handler``) in threads of this process over ``file://`` in a temporary directory, their
 listeners on loopback, form a round (``next_round``) and run the check (``rdzv_core.torch_api.netcheck``)
 with the default settings; prints one row per N: the median and slowest node's check time, the median link
-rate. One process and the GIL: the transfers share this process's cores, so the times are an upper bound of
-the check's cost on real hosts, where each node sends and receives on its own link. docs/benchmarks.md
+rate, the outliers found, how often the links were measured (2x: a node looked slow and was measured again).
+One process and the GIL: the transfers share this process's cores, so the times are an upper bound of the
+check's cost on real hosts, where each node sends and receives on its own link. docs/benchmarks.md
 ("Network check") has the numbers.
 """
 
@@ -63,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1, help="rounds per size (default 1)")
     args = p.parse_args(argv)
     print(f"network check, {args.mib:g} MiB per link, handlers in threads over file:// on loopback")
-    print(f"{'nodes':>5} {'median s':>9} {'slowest s':>10} {'median rate':>14} {'outliers':>9} {'wall s':>7}")
+    print(f"{'nodes':>5} {'median s':>9} {'slowest s':>10} {'median rate':>14} {'outliers':>9} {'measured':>9} "
+          f"{'wall s':>7}")
     with tempfile.TemporaryDirectory(prefix="rdzv-netcheck-") as tmp:
         for n in args.nodes:
             for _ in range(args.repeat):
@@ -73,8 +75,9 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = [v.seconds for v in verdicts]
                 rate = statistics.median(v.median for v in verdicts) / 2**20
                 found = max(len(v.outliers) for v in verdicts)
+                times = max(v.attempts for v in verdicts)
                 print(f"{n:>5} {statistics.median(seconds):>9.2f} {max(seconds):>10.2f} {rate:>9.0f} MiB/s "
-                      f"{found:>9} {wall:>7.1f}", flush=True)
+                      f"{found:>9} {times:>8}x {wall:>7.1f}", flush=True)
     return 0
 
 

@@ -19,7 +19,7 @@ import statistics
 import struct
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ..errors import (BackendClosedError, BackendUnavailableError, ConfigError, RendezvousStateError,
@@ -39,6 +39,7 @@ _HEADER = struct.Struct("!4sBIQ")  # magic, shift, sender rank, bytes
 _MAGIC = b"RNC1"
 _CHUNK = 64 * 1024
 _TRANSFER_SHARE = 0.7  # of the timeout: the transfers end by then; the rest is for reading the results
+_ADDRESS_SHARE, _ADDRESS_WAIT = 0.25, 5.0  # the members' addresses are awaited this share of the timeout, at most s
 #: Seconds a slow link must take beyond the median link's time (:func:`outliers`' ``slack``).
 SLACK = 0.1
 #: Test seam: ``(role, node name) -> bytes/s`` ("send" or "recv"; ``None``: unpaced). Unit tests only.
@@ -139,7 +140,8 @@ def outliers(links: Sequence[Link], factor: float, nbytes: int = 0, slack: float
 @dataclass(frozen=True)
 class Verdict:
     """The outcome of :func:`check_round`: ``n`` members, their ``names`` (rank -> node name), every ``link``,
-    the ``median`` link rate (bytes/s), the ``outliers`` (ranks), ``seconds`` the check took."""
+    the ``median`` link rate (bytes/s), the ``outliers`` (ranks), ``seconds`` the check took, ``rates`` (rank ->
+    :func:`node_rates`), ``attempts`` (2: measured again to confirm outliers)."""
 
     n: int
     names: dict[int, str]
@@ -148,6 +150,7 @@ class Verdict:
     outliers: tuple[int, ...]
     seconds: float
     rates: dict[int, float] = field(default_factory=dict)
+    attempts: int = 1
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -183,8 +186,9 @@ def _recv_exact(conn: socket.socket, size: int, deadline: float) -> bytes:
 class _Check:
     """One member's part in the check of one round (see the module)."""
 
-    def __init__(self, rdzv: Rendezvous, result: RoundResult, settings: NetcheckSettings, host: str) -> None:
-        self.rdzv, self.result, self.settings, self.host = rdzv, result, settings, host
+    def __init__(self, rdzv: Rendezvous, result: RoundResult, settings: NetcheckSettings, host: str,
+                 attempt: int) -> None:
+        self.rdzv, self.result, self.settings, self.host, self.attempt = rdzv, result, settings, host, attempt
         self.n, self.rank, self.node = result.world_size, result.rank, rdzv.node_name
         self.shifts = [s for s in (1, 2) if s % self.n]
         self.nbytes = max(1, int(settings.mib * 2**20))
@@ -195,14 +199,14 @@ class _Check:
         self.passed = {s: threading.Event() for s in self.shifts}  # this node's pass s is over
 
     def _store(self, what: str, value: dict[str, Any]) -> None:
-        self.rdzv.store_extra_data(self.result.version, f"netcheck/{what}/{self.rank}", json.dumps(value).encode(),
-                                   self.result.round_id)
+        key = f"netcheck/{self.attempt}/{what}/{self.rank}"
+        self.rdzv.store_extra_data(self.result.version, key, json.dumps(value).encode(), self.result.round_id)
 
     def _load(self, what: str, rank: int, deadline: float) -> dict[str, Any] | None:
         """Member ``rank``'s published ``what``, waiting until ``deadline`` (monotonic; passed: one look)."""
         try:
-            value = json.loads(self.rdzv.load_extra_data(self.result.version, f"netcheck/{what}/{rank}", max(
-                deadline - time.monotonic(), 0.001), self.result.round_id).decode("utf-8"))
+            key, wait = f"netcheck/{self.attempt}/{what}/{rank}", max(deadline - time.monotonic(), 0.001)
+            value = json.loads(self.rdzv.load_extra_data(self.result.version, key, wait, self.result.round_id))
             return value if isinstance(value, dict) else None
         except (RendezvousTimeoutError, UnicodeDecodeError, ValueError):
             return None
@@ -211,8 +215,14 @@ class _Check:
         with socket.create_server((self.host, 0), family=_family(self.host), backlog=8) as listener:
             threading.Thread(target=self._accept, args=(listener,), name="rdzv-netcheck", daemon=True).start()
             self._store("addr", {"host": self.host, "port": listener.getsockname()[1], "node": self.node})
+            # a member that publishes no address takes no part (its network_check is off): it is not judged
+            found = self.began + min(self.settings.timeout * _ADDRESS_SHARE, _ADDRESS_WAIT)
+            addresses = {r: self._load("addr", r, found) for r in range(self.n) if r != self.rank}
+            present = {self.rank} | {r for r, a in addresses.items() if a is not None}
             for shift in self.shifts:
-                target = self._load("addr", (self.rank + shift) % self.n, self.transfer_end)
+                if (self.rank - shift) % self.n not in present:
+                    self.got[shift].set()  # nobody sends to this node in this pass
+                target = addresses.get((self.rank + shift) % self.n)
                 sender = threading.Thread(target=self._send, args=(shift, target), name="rdzv-netcheck", daemon=True)
                 sender.start()
                 sender.join(max(self.transfer_end - time.monotonic(), 0.0))
@@ -221,8 +231,6 @@ class _Check:
             mine = [self.received.get(s) or Link((self.rank - s) % self.n, self.rank, s, 0.0, None, "nothing came")
                     for s in self.shifts]
             self._store("result", {"node": self.node, "links": [asdict(link) for link in mine]})
-            # a member that published no address takes no part (its network_check is off): it is not judged
-            present = {r for r in range(self.n) if r == self.rank or self._load("addr", r, 0.0) is not None}
             names, links = {self.rank: self.node}, list(mine)
             for receiver in sorted(present - {self.rank}):
                 value = self._load("result", receiver, self.began + self.settings.timeout) or {}
@@ -238,8 +246,8 @@ class _Check:
             log.warning("network check of round %d: rank(s) %s published no address and are not judged (is "
                         "network_check set on every node?)", self.result.version, sorted(set(range(self.n)) - present))
         median = statistics.median(link.rate for link in links) if links else 0.0
-        found = outliers(links, self.settings.factor, self.nbytes, SLACK)
-        return Verdict(self.n, names, tuple(links), median, tuple(found), time.monotonic() - self.began,
+        slow = outliers(links, self.settings.factor, self.nbytes, SLACK)
+        return Verdict(self.n, names, tuple(links), median, tuple(slow), time.monotonic() - self.began,
                        node_rates(links))
 
     def _accept(self, listener: socket.socket) -> None:
@@ -319,26 +327,36 @@ def _family(host: str) -> socket.AddressFamily:
 
 
 def check_round(rdzv: Rendezvous, result: RoundResult, settings: NetcheckSettings, host: str) -> Verdict:
-    """Run this member's part of the check of ``result``'s round, listening on ``host``; every member's verdict
-    is computed from the same published results. Logs the verdict (INFO; a WARNING per outlier).
+    """Run this member's part of the check of ``result``'s round, listening on ``host``; every member computes
+    its verdict from the same published results. When it finds outliers it measures once more, and an outlier is
+    a node found both times (a stall of a busy process seldom hits one node twice; a slow link always does).
+    Logs each measurement (INFO) and each outlier (WARNING).
 
     Raises:
         OSError: this node cannot listen on ``host``.
         BackendUnavailableError, BackendClosedError: from the backend (publishing).
     """
-    verdict = _Check(rdzv, result, settings, host).run()
-    slowest = min(verdict.rates.items(), key=lambda item: (item[1], item[0])) if verdict.rates else (-1, 0.0)
-    rtts = [link.rtt for link in verdict.links if link.rtt is not None]
-    log.info("network check of round %d: n=%d, median %s (RTT %.2g ms), slowest %s at %s, %.2f s", result.version,
-             verdict.n, _rate_text(verdict.median), 1e3 * statistics.median(rtts) if rtts else math.nan,
-             verdict.name(slowest[0]), _rate_text(slowest[1]), verdict.seconds)
+    began, first = time.monotonic(), None
+    for attempt in (1, 2):
+        verdict = _Check(rdzv, result, settings, host, attempt).run()
+        slowest = min(verdict.rates.items(), key=lambda item: (item[1], item[0])) if verdict.rates else (-1, 0.0)
+        rtts = [link.rtt for link in verdict.links if link.rtt is not None]
+        log.info("network check of round %d: n=%d, median %s (RTT %.2g ms), slowest %s at %s, %.2f s%s",
+                 result.version, verdict.n, _rate_text(verdict.median),
+                 1e3 * statistics.median(rtts) if rtts else math.nan, verdict.name(slowest[0]),
+                 _rate_text(slowest[1]), verdict.seconds, "; measuring again" if verdict.outliers and not first else "")
+        if first is not None or not verdict.outliers:
+            break
+        first = verdict
+    slow = tuple(rank for rank in verdict.outliers if first is None or rank in first.outliers)
+    verdict = replace(verdict, outliers=slow, seconds=time.monotonic() - began, attempts=1 if first is None else 2)
     for rank in verdict.outliers:
-        slow = ", ".join(f"{k.sender}->{k.receiver} {_rate_text(k.rate)}{' (' + k.error + ')' if k.error else ''}"
-                         for k in verdict.links if rank in (k.sender, k.receiver)
-                         and k.rate < verdict.median / settings.factor)
-        log.warning("network check of round %d: node %s (rank %d) is slow: its links' median rate %s, below the "
-                    "median %s / %g; slow links: %s", result.version, verdict.name(rank), rank,
-                    _rate_text(verdict.rates[rank]), _rate_text(verdict.median), settings.factor, slow)
+        links = ", ".join(f"{k.sender}->{k.receiver} {_rate_text(k.rate)}{' (' + k.error + ')' if k.error else ''}"
+                          for k in verdict.links if rank in (k.sender, k.receiver)
+                          and k.rate < verdict.median / settings.factor)
+        log.warning("network check of round %d: node %s (rank %d) is slow, twice: its links' median rate %s, below "
+                    "the median %s / %g; slow links: %s", result.version, verdict.name(rank), rank,
+                    _rate_text(verdict.rates[rank]), _rate_text(verdict.median), settings.factor, links)
     return verdict
 
 

@@ -98,3 +98,23 @@ def test_a_slow_node_is_kept_when_the_round_cannot_go_on_without_it(tmp_path, mo
     assert all(not handlers[0].rendezvous.ledger.read(f"n{i}").offences for i in range(3))
     for h in handlers:
         h.shutdown()
+
+
+def test_a_node_without_the_check_is_not_judged(tmp_path, caplog) -> None:
+    """n3 runs without network_check: it publishes no address, the others' links with it are not measured, and
+    nobody is left out (a WARNING says that it took no part)."""
+    run_id = f"nc{uuid.uuid4().hex[:8]}"
+    url = _url(f"file://{tmp_path}/", run_id, network_check_timeout=3)
+    handlers = [*_handlers(url)[:3], create_handler(_url(f"file://{tmp_path}/", run_id, network_check=0),
+                                                    local_addr="127.0.0.1", node_name="n3")]
+    outcome: dict = {}
+    caplog.set_level(logging.WARNING, logger="rdzv_core.torch_api.netcheck")
+    threads = [_run(handlers, outcome, f"n{i}") for i in range(4)]
+    for t in threads:
+        t.join(60)
+    assert all(getattr(outcome.get(f"n{i}"), "world_size", None) == 4 for i in range(4)), outcome
+    absent = [r.getMessage() for r in caplog.records if "published no address" in r.getMessage()]
+    assert len(absent) == 3, absent
+    assert all(not handlers[0].rendezvous.ledger.read(f"n{i}").offences for i in range(4))
+    for h in handlers:
+        h.shutdown()
