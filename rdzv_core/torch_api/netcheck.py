@@ -22,8 +22,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import (BackendClosedError, BackendUnavailableError, ConfigError, RendezvousStateError,
-                      RendezvousTimeoutError)
+from ..errors import BackendClosedError, BackendUnavailableError, ConfigError, RendezvousStateError
+from ..kv import wait_for_change
 from ..rendezvous import Rendezvous, RoundResult
 
 __all__ = ["NetcheckSettings", "Link", "Verdict", "outliers", "node_rates", "check_round", "checked_round",
@@ -37,7 +37,7 @@ QUERY_KEYS = {"network_check": "enabled", "network_check_mib": "mib", "network_c
 PINGS = 3  #: ping-pongs before each bulk transfer (the RTT is the smallest)
 _HEADER = struct.Struct("!4sBIQ")  # magic, shift, sender rank, bytes
 _MAGIC = b"RNC1"
-_CHUNK = 64 * 1024
+_CHUNK = 256 * 1024  # bytes per send and receive call (16 KiB when the test seam paces them)
 _TRANSFER_SHARE = 0.7  # of the timeout: the transfers end by then; the rest is for reading the results
 _ADDRESS_SHARE, _ADDRESS_WAIT = 0.25, 5.0  # the members' addresses are awaited this share of the timeout, at most s
 #: Seconds a slow link must take beyond the median link's time (:func:`outliers`' ``slack``).
@@ -202,23 +202,36 @@ class _Check:
         key = f"netcheck/{self.attempt}/{what}/{self.rank}"
         self.rdzv.store_extra_data(self.result.version, key, json.dumps(value).encode(), self.result.round_id)
 
-    def _load(self, what: str, rank: int, deadline: float) -> dict[str, Any] | None:
-        """Member ``rank``'s published ``what``, waiting until ``deadline`` (monotonic; passed: one look)."""
-        try:
-            key, wait = f"netcheck/{self.attempt}/{what}/{rank}", max(deadline - time.monotonic(), 0.001)
-            value = json.loads(self.rdzv.load_extra_data(self.result.version, key, wait, self.result.round_id))
-            return value if isinstance(value, dict) else None
-        except (RendezvousTimeoutError, UnicodeDecodeError, ValueError):
-            return None
+    def _gather(self, what: str, ranks: set[int], deadline: float) -> dict[int, dict[str, Any]]:
+        """The members' published ``what`` (rank -> value) of ``ranks``, waiting until all came or ``deadline``
+        (monotonic): the round's extra data read with one listing per change."""
+        rid = self.result.round_id or None
+        wanted = {self.rdzv.keys.extra(self.result.version, rid, f"netcheck/{self.attempt}/{what}/{r}"): r
+                  for r in ranks}
+        directory, found = self.rdzv.keys.extra_dir(self.result.version, rid), {}
+        while True:
+            entries, revision = self.rdzv.kv.list(directory)
+            for entry in entries:
+                try:
+                    value = json.loads(entry.value) if entry.key in wanted else None
+                except ValueError:
+                    continue
+                if isinstance(value, dict):
+                    found[wanted[entry.key]] = value
+            if len(found) == len(wanted) or not wait_for_change(self.rdzv.kv, directory, revision, deadline,
+                                                                read_revision=revision):
+                return found
 
     def run(self) -> Verdict:
         with socket.create_server((self.host, 0), family=_family(self.host), backlog=8) as listener:
             threading.Thread(target=self._accept, args=(listener,), name="rdzv-netcheck", daemon=True).start()
-            self._store("addr", {"host": self.host, "port": listener.getsockname()[1], "node": self.node})
+            bound = listener.getsockname()  # numeric, so that every peer connects to the address bound
+            host = f"{bound[0]}%{bound[3]}" if len(bound) > 3 and bound[3] else bound[0]
+            self._store("addr", {"host": host, "port": bound[1], "node": self.node})
             # a member that publishes no address takes no part (its network_check is off): it is not judged
             found = self.began + min(self.settings.timeout * _ADDRESS_SHARE, _ADDRESS_WAIT)
-            addresses = {r: self._load("addr", r, found) for r in range(self.n) if r != self.rank}
-            present = {self.rank} | {r for r, a in addresses.items() if a is not None}
+            addresses = self._gather("addr", set(range(self.n)) - {self.rank}, found)
+            present = {self.rank} | set(addresses)
             for shift in self.shifts:
                 if (self.rank - shift) % self.n not in present:
                     self.got[shift].set()  # nobody sends to this node in this pass
@@ -232,8 +245,9 @@ class _Check:
                     for s in self.shifts]
             self._store("result", {"node": self.node, "links": [asdict(link) for link in mine]})
             names, links = {self.rank: self.node}, list(mine)
+            results = self._gather("result", present - {self.rank}, self.began + self.settings.timeout)
             for receiver in sorted(present - {self.rank}):
-                value = self._load("result", receiver, self.began + self.settings.timeout) or {}
+                value = results.get(receiver, {})
                 try:
                     links += [Link(int(d["sender"]), receiver, int(d["shift"]), float(d["rate"]),
                                    None if d.get("rtt") is None else float(d["rtt"]), str(d.get("error", "")))
@@ -260,10 +274,11 @@ class _Check:
 
     def _receive(self, conn: socket.socket) -> None:
         """One pass's transfer to this node: header, pings (RTT), the bulk (throughput), an acknowledgement."""
-        received, first_len, first, last, rtt = 0, 0, 0.0, 0.0, math.inf
+        received, first_len, first, last, rtt, began = 0, 0, 0.0, 0.0, math.inf, 0.0
         magic, shift, sender, nbytes = b"", 0, 0, 0
         with conn:
             try:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 magic, shift, sender, nbytes = _HEADER.unpack(_recv_exact(conn, _HEADER.size, self.transfer_end))
                 if magic != _MAGIC or shift not in self.got or sender != (self.rank - shift) % self.n:
                     return
@@ -274,7 +289,7 @@ class _Check:
                     conn.sendall(b"p")
                     _recv_exact(conn, 1, self.transfer_end)
                     rtt = min(rtt, time.monotonic() - sent)
-                buffer, began = bytearray(_CHUNK), time.monotonic()
+                buffer, began = bytearray(_chunk()), time.monotonic()
                 while received < nbytes:
                     conn.settimeout(_timeout(self.transfer_end))
                     size = conn.recv_into(buffer, min(len(buffer), nbytes - received))
@@ -290,8 +305,8 @@ class _Check:
                 if magic != _MAGIC:
                     return
                 error = f"{type(exc).__name__} after {received} of {nbytes} bytes: {exc}"
-            self.received[shift] = Link(sender, self.rank, shift, _rate(received - first_len, last - first),
-                                        None if rtt == math.inf else rtt, error)
+            rate = _rate(received - first_len, last - first) if received > first_len else _rate(received, last - began)
+            self.received[shift] = Link(sender, self.rank, shift, rate, None if rtt == math.inf else rtt, error)
             self.got[shift].set()
 
     def _send(self, shift: int, target: dict[str, Any] | None) -> None:
@@ -301,18 +316,25 @@ class _Check:
                 return
             with socket.create_connection((str(target["host"]), int(target["port"])),
                                           timeout=_timeout(self.transfer_end)) as conn:
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # the pings go at once
                 conn.sendall(_HEADER.pack(_MAGIC, shift, self.rank, self.nbytes))
                 for _ in range(PINGS):
                     conn.sendall(_recv_exact(conn, 1, self.transfer_end))
-                chunk, sent, began = memoryview(bytes(_CHUNK)), 0, time.monotonic()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)  # the bulk in full segments
+                chunk, sent, began = memoryview(bytes(_chunk())), 0, time.monotonic()
                 while sent < self.nbytes:
                     conn.settimeout(_timeout(self.transfer_end))
                     conn.sendall(chunk[:min(len(chunk), self.nbytes - sent)])
                     sent += min(len(chunk), self.nbytes - sent)
                     _pace("send", self.node, sent, began)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # flushes the last partial segment
                 _recv_exact(conn, 1, self.transfer_end)
         except (OSError, KeyError, TypeError, ValueError) as exc:
             log.debug("network check: sending to %s failed: %s", target, exc)
+
+
+def _chunk() -> int:
+    return _CHUNK if _throttle is None else 16 * 1024
 
 
 def _rate(nbytes: int, seconds: float) -> float:
