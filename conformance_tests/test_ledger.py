@@ -216,3 +216,15 @@ def test_runs_under_one_prefix_share_a_prefix_scoped_ledger_and_not_a_run_scoped
     assert NodeLedger(kv, second, policy).read("lemon").offences == ()  # the run's own ledger knows nothing of it
     NodeLedger(kv, first, policy).offend("other", "failed", "exit 3")
     assert not NodeLedger(kv, second, policy, scope="prefix").read("other").offences
+
+
+def test_when_every_node_fails_its_check_they_give_up_after_the_rendezvous_timeout(crew) -> None:
+    """Nobody can form a round: each node waits no longer than its rendezvous ``timeout`` (as a node that finds
+    no round would), then ends with ``NodeExcludedError`` naming the check's reason."""
+    nodes = crew(["a", "b"], min_nodes=2, timeout=2.0)
+    for node in nodes:
+        node.rdzv.gate.check, node.rdzv.gate.interval = _Check(reason="disk full"), 0.2
+        node.start()
+    for node in nodes:
+        assert node.done.wait(20), "a node whose check fails waited past its rendezvous timeout"
+        assert isinstance(node.error, NodeExcludedError) and "disk full" in node.error.reason, node.error

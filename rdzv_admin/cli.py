@@ -326,7 +326,9 @@ def _print_status(state: dict[str, Any], counter: str, limit: int = 20, members_
             alive = "keep-alive LAPSED"
         else:
             alive = f"keep-alive refreshed {kage:.1f} s ago, expires in {left:.1f} s"
-        print(f"  rank {member.get('rank')}: {member.get('host')} ({member.get('node')}){age}; {alive}")
+        name = member.get("name")  # the node's name in the ledger, where it is not the host's
+        named = f" node {name}," if name and name != member.get("host") else ""
+        print(f"  rank {member.get('rank')}:{named} {member.get('host')} ({member.get('node')}){age}; {alive}")
     if len(members) > shown_members:
         print(f"  ... {len(members) - shown_members} more member(s)")
 
@@ -408,7 +410,15 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     ``--forgive NODE``: clear its offences and end its quarantine (asks first, unless ``--yes``)."""
     kv, rdzv = _open(args.url, latest=True)
     with kv:
-        return nodes_view.command(rdzv.ledger, _run_name(rdzv), args.forgive, args.json, lambda q: _confirm(args, q))
+        ledger = rdzv.ledger
+        if ledger.scope == "prefix":
+            return nodes_view.command(ledger, f"the runs under prefix {rdzv.keys.prefix!r} (ledger_scope=prefix)",
+                                      args.forgive, args.json, lambda q: _confirm(args, q))
+        shared = nodes_view.shared_count(ledger)
+        if shared:  # the jobs under this prefix may keep their nodes in the shared ledger: say where to look
+            print(f"rdzv: {shared} node(s) in the ledger shared by the runs under prefix {rdzv.keys.prefix!r}: add "
+                  "?ledger_scope=prefix to the URL to see them", file=sys.stderr)
+        return nodes_view.command(ledger, _run_name(rdzv), args.forgive, args.json, lambda q: _confirm(args, q))
 
 
 def build_parser() -> argparse.ArgumentParser:

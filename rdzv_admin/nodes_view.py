@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Callable, Iterable, Mapping
 
-from rdzv_core.errors import CorruptEntryError
+from rdzv_core.errors import CorruptEntryError, RdzvError
 from rdzv_core.rendezvous.ledger import NodeEntry, NodeLedger, Offence
 
 __all__ = ["command", "as_rows", "render", "kept_out", "render_kept_out"]
@@ -84,6 +84,15 @@ def render(entries: Iterable[NodeEntry], run_name: str, window: float, now: floa
     for row in table:
         lines.append(" ".join([*(c.ljust(w) for c, w in zip(row, widths, strict=False)), row[-1]]).rstrip())
     return lines
+
+
+def shared_count(ledger: NodeLedger) -> int:
+    """How many nodes the prefix-scoped ledger beside ``ledger`` (a run's) holds; 0 when it cannot be read."""
+    shared = NodeLedger(ledger.kv, ledger.keys, ledger.policy, scope="prefix")
+    try:
+        return len(shared.kv.list(shared.directory)[0])
+    except RdzvError:
+        return 0
 
 
 def kept_out(ledger: NodeLedger, now: float | None = None) -> tuple[list[dict[str, Any]], list[str]]:

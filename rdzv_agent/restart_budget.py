@@ -40,8 +40,11 @@ PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Broken pi
              "Timed out waiting", "Connection refused", "collective operation timeout")
 
 
-#: Exit statuses of workers the agent stopped (its SIGTERM or SIGKILL, a forwarded SIGINT): not their own failure.
-STOP_CODES = frozenset({-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT})
+#: Exit statuses of a worker stopped by a signal -- the agent's, a scheduler's (a pod deleted, a job cancelled), an
+#: operator's: killed by SIGTERM, SIGKILL, SIGINT or SIGHUP, or exiting with 128 + that signal from its handler. Not
+#: the node's own failure: never reported to the ledger.
+STOP_CODES = frozenset(code for sig in (signal.SIGTERM, signal.SIGKILL, signal.SIGINT, signal.SIGHUP)
+                       for code in (-int(sig), 128 + int(sig)))
 
 
 def peer_loss(error: str) -> bool:
@@ -102,17 +105,17 @@ class RestartBudget:
         self._charges = [c for c in self._charges if c.culprit not in gone]
         return before - len(self._charges)
 
-    def attribute(self, spec: "WorkerSpec", failures: dict[int, Exception], stopped: bool = False) -> str | None:
+    def attribute(self, spec: "WorkerSpec", failures: dict[int, Exception]) -> str | None:
         """Report this node's failed workers to the handler's node ledger (rdzv's handlers: ``report_failure``)
         and set :attr:`culprit`: the node whose workers failed first, when it is another one (``None``: this node,
         or unknown). Workers whose error says a peer was lost (:func:`peer_loss`) are reported as such: never the
         culprit. Hangs are not reported: every node of a hung collective stops progressing at once, so who hung
-        first cannot be told by time. ``stopped``: the agent stopped the workers (a membership change): only those
-        that had failed of their own (not by its :data:`STOP_CODES`) are reported."""
+        first cannot be told by time, and neither are workers stopped by a signal (:data:`STOP_CODES`: the agent's,
+        a scheduler's, an operator's)."""
         self.culprit = None
         elastic = elastic_handler(spec.rdzv_handler)
         exits = [exc for exc in failures.values() if isinstance(exc, WorkerFailure) and not isinstance(exc, WorkerHang)
-                 and exc.timestamp is not None and not (stopped and exc.exit_code in STOP_CODES)]
+                 and exc.timestamp is not None and exc.exit_code not in STOP_CODES]
         if elastic is None or not exits:
             return None
         own = [exc for exc in exits if not peer_loss(exc.error)]  # the workers that failed of their own

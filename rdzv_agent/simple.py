@@ -372,7 +372,7 @@ class SimpleElasticAgent(ElasticAgent):
         start = time.monotonic()
         self._stop_workers(worker_group)
         if membership:
-            self._budget.attribute(worker_group.spec, self._monitor_workers(worker_group).exceptions, stopped=True)
+            self._budget.attribute(worker_group.spec, self._monitor_workers(worker_group).exceptions)
         worker_group.state = WorkerState.STOPPED
         self._initialize_workers(worker_group)
         log.info("[%s] restart took %.1f s", worker_group.spec.role, time.monotonic() - start)
@@ -521,5 +521,7 @@ class SimpleElasticAgent(ElasticAgent):
             self._stop_workers(group)
             group.state = WorkerState.FAILED
             self._emit("failed", failures=failures, restart=result.restart)
-            why = f"max_restarts={spec.max_restarts} spent" if result.restart else f"{result.state.name}: no restart"
+            within = f" within --restart-window {spec.restart_window:g} s" if spec.restart_window else ""
+            why = f"max_restarts={spec.max_restarts} spent{within}" if result.restart else \
+                f"{result.state.name}: no restart"
             raise WorkerGroupFailureException(f"[{spec.role}] worker group failed; {why}", failures)

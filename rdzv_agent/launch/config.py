@@ -202,8 +202,8 @@ def _build_config(args: argparse.Namespace, environ: Mapping[str, str]) -> Launc
         for _, option, value in _node_check_options(args):
             if value == "":  # no check asked for
                 continue
-            raise ConfigError(as_given(args, option), value, "the static rendezvous (torch's) runs no node checks: "
-                              "use --rdzv, --rdzv-backend with a backend, or --standalone")
+            raise ConfigError(as_given(args, option), value, "the static rendezvous (torch's) runs no node or network "
+                              "checks: use --rdzv, --rdzv-backend with a backend, or --standalone")
         target, nnodes = static, (static.nnodes, static.nnodes)
         master_addr, master_port = static.master_addr, static.master_port
     else:

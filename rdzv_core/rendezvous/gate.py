@@ -27,7 +27,7 @@ from typing import Any, Callable, Protocol
 from ..errors import BackendUnavailableError, NodeExcludedError, RendezvousStateError
 from ..kv import Entry, KVBackend, wait_for_change
 from .ledger import NodeEntry, NodeLedger
-from .params import RendezvousParams
+from .params import Progress, RendezvousParams
 from .record import RoundRecord, RunKeys, Status, member_record
 
 __all__ = ["Gate", "CheckResult", "CheckFn", "GATE_LOG_EVERY"]
@@ -121,6 +121,7 @@ class Gate:
         if self.check is None:
             return
         logged = float("-inf")
+        alone = 0.0  # seconds this node's check failed while too few other nodes were present to form a round
         while True:
             outcome = self.check()
             entry = self._guarded(None, self.ledger.read, self.name)
@@ -131,16 +132,30 @@ class Gate:
                 return
             reason = f"pre-flight check {outcome.check or 'check'} failed: {outcome.reason}"
             self._guarded(None, self.ledger.note_check, self.name, reason)
-            if self.action == "exit":
-                self._leave()
-                raise NodeExcludedError(self.name, reason)
             self._leave()
+            if self.action == "exit":
+                raise NodeExcludedError(self.name, reason)
+            timeout = self.machine.params.timeout
+            if alone >= timeout:  # nobody goes on without it (every node failing its check): give up, as a timeout
+                raise NodeExcludedError(self.name, f"{reason}; no round formed without this node for {timeout:g} s "
+                                        "(the rendezvous timeout)")
+            self._progress("unhealthy", reason, timeout - alone)
             if time.monotonic() - logged >= GATE_LOG_EVERY:
                 self.machine._log(logging.WARNING, "node %s: %s; not joining, re-checking every %g s", self.name,
                                   reason, self.interval)
                 logged = time.monotonic()
-            if self._wait(time.monotonic() + self.interval):
+            since = time.monotonic()
+            short = self._others() < self.machine.params.min_nodes
+            if self._wait(since + min(self.interval, max(timeout - alone, 0.0))):
                 raise NodeExcludedError(self.name, f"the run closed while this node's {reason}")
+            alone = alone + (time.monotonic() - since) if short else 0.0
+
+    def _progress(self, phase: str, why: str, remaining: float) -> None:
+        """Tell the launcher (``on_progress``) that this node waits at the gate, and why."""
+        report = getattr(self.machine, "on_progress", None)
+        if report is not None:
+            params = self.machine.params
+            report(Progress(f"{phase}: {why}", 0, 0, params.min_nodes, params.limit, max(remaining, 0.0)))
 
     # -- 2. the quarantine ------------------------------------------------------------------------
     def _released(self) -> None:
@@ -164,6 +179,8 @@ class Gate:
                                   "without it: admitted anyway (fail-open)", self.name, entry.why, params.min_nodes)
                 return
             self._leave()
+            self._progress("quarantined", f"until {time.strftime('%H:%M:%S', time.localtime(until))}: {entry.why}",
+                           until - time.time())
             if time.monotonic() - logged >= GATE_LOG_EVERY:
                 self.machine._log(logging.WARNING, "node %s is quarantined for %.0f s more (%s); waiting",
                                   self.name, until - time.time(), entry.why)

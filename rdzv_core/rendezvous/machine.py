@@ -334,7 +334,8 @@ class RoundMachine(Membership):
         ttl = p.keep_alive_ttl
         alive_key = self.keys.alive(version, rid, rank)
         want = p.node_rank if p.rank_policy != "join" else None
-        info = {"rank": rank, "node": self.node_id, "host": self.host, "since": round(time.time(), 3),
+        info = {"rank": rank, "node": self.node_id, "host": self.host, "name": self.node_name,
+                "since": round(time.time(), 3),
                 **member_fields(self.last_round, p.labels, want, p.node_order)}
         self.kv.put(alive_key, encode_json(info), ttl=ttl)
         self._alive_key, self._alive_info = alive_key, info

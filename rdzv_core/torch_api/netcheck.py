@@ -141,7 +141,8 @@ def outliers(links: Sequence[Link], factor: float, nbytes: int = 0, slack: float
 class Verdict:
     """The outcome of :func:`check_round`: ``n`` members, their ``names`` (rank -> node name), every ``link``,
     the ``median`` link rate (bytes/s), the ``outliers`` (ranks), ``seconds`` the check took, ``rates`` (rank ->
-    :func:`node_rates`), ``attempts`` (2: measured again to confirm outliers)."""
+    :func:`node_rates`), ``attempts`` (2: measured again to confirm outliers), ``complete``: whether every member
+    took part (published its address)."""
 
     n: int
     names: dict[int, str]
@@ -151,6 +152,7 @@ class Verdict:
     seconds: float
     rates: dict[int, float] = field(default_factory=dict)
     attempts: int = 1
+    complete: bool = True
 
     def name(self, rank: int) -> str:
         return self.names.get(rank, f"rank {rank}")
@@ -232,14 +234,16 @@ class _Check:
             found = self.began + min(self.settings.timeout * _ADDRESS_SHARE, _ADDRESS_WAIT)
             addresses = self._gather("addr", set(range(self.n)) - {self.rank}, found)
             present = {self.rank} | set(addresses)
-            for shift in self.shifts:
+            start = time.monotonic()
+            for i, shift in enumerate(self.shifts):  # each pass its share of the time: a stuck one starves no other
+                end = start + (self.transfer_end - start) * (i + 1) / len(self.shifts)
                 if (self.rank - shift) % self.n not in present:
                     self.got[shift].set()  # nobody sends to this node in this pass
                 target = addresses.get((self.rank + shift) % self.n)
                 sender = threading.Thread(target=self._send, args=(shift, target), name="rdzv-netcheck", daemon=True)
                 sender.start()
-                sender.join(max(self.transfer_end - time.monotonic(), 0.0))
-                self.got[shift].wait(max(self.transfer_end - time.monotonic(), 0.0))
+                sender.join(max(end - time.monotonic(), 0.0))
+                self.got[shift].wait(max(end - time.monotonic(), 0.0))
                 self.passed[shift].set()
             mine = [self.received.get(s) or Link((self.rank - s) % self.n, self.rank, s, 0.0, None, "nothing came")
                     for s in self.shifts]
@@ -262,7 +266,7 @@ class _Check:
         median = statistics.median(link.rate for link in links) if links else 0.0
         slow = outliers(links, self.settings.factor, self.nbytes, SLACK)
         return Verdict(self.n, names, tuple(links), median, tuple(slow), time.monotonic() - self.began,
-                       node_rates(links))
+                       node_rates(links), complete=present == set(range(self.n)))
 
     def _accept(self, listener: socket.socket) -> None:
         while True:
@@ -367,7 +371,7 @@ def check_round(rdzv: Rendezvous, result: RoundResult, settings: NetcheckSetting
                  result.version, verdict.n, _rate_text(verdict.median),
                  1e3 * statistics.median(rtts) if rtts else math.nan, verdict.name(slowest[0]),
                  _rate_text(slowest[1]), verdict.seconds, "; measuring again" if verdict.outliers and not first else "")
-        if first is not None or not verdict.outliers:
+        if first is not None or not verdict.outliers or not verdict.complete:
             break
         first = verdict
     slow = tuple(rank for rank in verdict.outliers if first is None or rank in first.outliers)
@@ -403,6 +407,10 @@ def checked_round(rdzv: Rendezvous, settings: NetcheckSettings, host: Callable[[
         if not verdict.outliers:
             return result
         names = ", ".join(verdict.name(r) for r in verdict.outliers)
+        if not verdict.complete:  # a member without the check: its links were not all measured, nobody is judged
+            log.warning("network check of round %d: slow node(s) %s kept in: not every member takes part in the "
+                        "check (set network_check alike on every node)", result.version, names)
+            return result
         left = verdict.n - len(verdict.outliers)
         if left < rdzv.params.min_nodes or not rdzv.ledger.policy.enabled:
             why = f"min_nodes={rdzv.params.min_nodes}" if left < rdzv.params.min_nodes else "quarantine_after=0"

@@ -171,3 +171,38 @@ def test_the_ledgers_verdicts_are_counted_in_the_metrics() -> None:
     metrics.on_event(AgentEvent("attributed", "default", {"first": True, "culprit": "me", "quarantined": True,
                                                            "until": 99.0}))
     assert sample("rdzv_node_quarantined_until_timestamp_seconds") == 99.0
+
+
+def test_a_worker_stopped_by_a_signal_is_never_reported_to_the_ledger() -> None:
+    """A pod deleted or a job cancelled stops the workers with SIGTERM (killed, or exiting 143 from a handler):
+    not the node's own failure, so nothing is reported; a worker's own exit status is."""
+    from rdzv_agent.api import WorkerFailure, WorkerSpec
+
+    reports: list[tuple[float, str, bool]] = []
+
+    class Handler:  # the ElasticHandler protocol, recording what is reported
+        endpoints, params = (), None
+
+        def round_version(self) -> int | None:
+            return 1
+
+        def publish_progress(self, *args: object, **kwargs: object) -> bool:
+            return True
+
+        def release(self, finished: bool = False) -> None:
+            return None
+
+        def report_failure(self, at: float, detail: str, settle: float, peer: bool = False) -> dict:
+            reports.append((at, detail, peer))
+            return {"culprit": "me", "first": True, "node": "me", "quarantined": False, "until": None, "why": ""}
+
+        def node_excluded(self, name: str) -> bool:
+            return False
+
+    spec = WorkerSpec("default", 1, "prog", (), Handler(), max_restarts=1, monitor_interval=0.1)
+    budget = RestartBudget(1)
+    for code in (-15, 143, -9, 137, 130):
+        budget.attribute(spec, {0: WorkerFailure(0, 0, code, "", timestamp=1.0)})
+    assert reports == []
+    budget.attribute(spec, {0: WorkerFailure(0, 0, 3, "ValueError: boom", timestamp=2.0)})
+    assert [(at, peer) for at, _, peer in reports] == [(2.0, False)]

@@ -158,3 +158,15 @@ def test_nodes_reads_the_urls_prefix_and_incarnation(base: str, kv: KVBackend, c
     assert code == 0 and json.loads(out) == []
     code, _, err = _run(capsys, "nodes", base + "job?prefix=elsewhere", "--forgive", QUARANTINED, "--yes")
     assert code == 2 and QUARANTINED in err  # not in incarnation 0's ledger
+
+
+def test_a_run_url_points_to_the_shared_ledger_and_the_prefix_scope_lists_it(tmp_path, capsys) -> None:
+    base = f"file://{tmp_path}/rdzv/"
+    with open_backend(base) as kv:
+        NodeLedger(kv, RunKeys("torchelastic/p2p", "job1"), QuarantinePolicy(after=1), scope="prefix").offend(
+            "lemon", "failed", "exit 3")
+    assert main(["nodes", f"{base}job2"]) == 0
+    assert "ledger_scope=prefix" in capsys.readouterr().err
+    assert main(["nodes", f"{base}job2?ledger_scope=prefix", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["node"], r["state"]) for r in rows] == [("lemon", "quarantined")]

@@ -118,3 +118,30 @@ def test_a_node_without_the_check_is_not_judged(tmp_path, caplog) -> None:
     assert all(not handlers[0].rendezvous.ledger.read(f"n{i}").offences for i in range(4))
     for h in handlers:
         h.shutdown()
+
+
+def test_nobody_is_left_out_while_a_member_takes_no_part(tmp_path) -> None:
+    """n3 runs without network_check and joins last (the highest rank: the ring successor of a checking node, as
+    a late node on another host): the links that depended on it are not all measured, so nobody is judged --
+    every node stays in the one round (none re-forms, so none is stranded in it) and nobody is charged."""
+    run_id = f"nc{uuid.uuid4().hex[:8]}"
+    url = _url(f"file://{tmp_path}/", run_id, network_check_timeout=8, rank_policy="join")
+    handlers = [*_handlers(url)[:3], create_handler(_url(f"file://{tmp_path}/", run_id, network_check=0,
+                                                         rank_policy="join"), local_addr="127.0.0.1", node_name="n3")]
+    outcome: dict = {}
+    threads = [_run(handlers, outcome, f"n{i}") for i in range(3)]
+    observer = handlers[0].rendezvous
+    deadline = threading.Event()
+    for _ in range(600):  # the three have joined (bounded: 60 s)
+        if observer.describe().get("joined") == 3:
+            break
+        deadline.wait(0.1)
+    threads.append(_run(handlers, outcome, "n3"))
+    for t in threads:
+        t.join(90)
+    infos = [outcome.get(f"n{i}") for i in range(4)]
+    assert all(getattr(i, "world_size", None) == 4 for i in infos), infos
+    assert infos[3].rank == 3 and len({handlers[i].round_version() for i in range(4)}) == 1
+    assert all(not handlers[0].rendezvous.ledger.read(f"n{i}").offences for i in range(4))
+    for h in handlers:
+        h.shutdown()
