@@ -92,7 +92,7 @@ def test_node_check_options_become_the_urls_query_keys(monkeypatch, tmp_path):
         "from-url")
     assert build_config(parse_args(["--standalone", WORKER])).target.url.params["node_check"] == "from-env"
     static = ["--nnodes", "2", "--master-port", "29555", WORKER]  # torch's static rendezvous runs no checks
-    with pytest.raises(ConfigError, match="'PET_NODE_CHECK'.*runs no node checks"):
+    with pytest.raises(ConfigError, match="'PET_NODE_CHECK'.*runs no node or network checks"):
         build_config(parse_args(static))
     monkeypatch.setenv("PET_NODE_CHECK", "")
     assert build_config(parse_args(static)).static is not None
