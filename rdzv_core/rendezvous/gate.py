@@ -64,6 +64,7 @@ class Gated(Protocol):
 
     def withdraw(self) -> None: ...
     def _read_state(self) -> tuple[Entry | None, RoundRecord | None]: ...
+    def _read_state_at(self) -> tuple[Entry | None, RoundRecord | None, int]: ...
     def _tickets(self, key: str) -> int: ...
     def _log(self, level: int, msg: str, *args: Any, version: int | None = None) -> None: ...
 
@@ -124,8 +125,8 @@ class Gate:
         alone = 0.0  # seconds this node's check failed while too few other nodes were present to form a round
         while True:
             outcome = self.check()
-            entry = self._guarded(None, self.ledger.read, self.name)
             if outcome.healthy:
+                entry = self._guarded(None, self.ledger.read, self.name)
                 if isinstance(entry, NodeEntry) and entry.check:
                     self._guarded(None, self.ledger.note_check, self.name, "")
                     self.machine._log(logging.INFO, "node %s: pre-flight checks pass again", self.name)
@@ -227,7 +228,7 @@ class Gate:
             BackendClosedError: the backend was closed.
         """
         entry = self._guarded(None, self.ledger.read, self.name)
-        if not isinstance(entry, NodeEntry) or not entry.quarantined() or entry.fail_open is not None:
+        if not isinstance(entry, NodeEntry) or not entry.left_out():
             return False
         return self.machine.params.limit > 1 and self._others() >= self.machine.params.min_nodes
 
@@ -235,13 +236,16 @@ class Gate:
         """Wait until the run's state changes or ``deadline`` (monotonic); whether the run is closed."""
         machine = self.machine
 
-        def watch() -> bool:
-            revision = machine.kv.list(machine.keys.state_dir)[1]
+        def closed_or_watched() -> bool:  # one read of the state: closed now, else wait for a change of it
+            _, record, revision = machine._read_state_at()
+            if record is not None and record.status is Status.CLOSED:
+                return True
             wait_for_change(machine.kv, machine.keys.state_dir, revision, deadline, read_revision=revision)
-            return True
+            return False
 
-        if self._closed():
+        closed = self._guarded(None, closed_or_watched)
+        if closed:
             return True
-        if self._guarded(None, watch) is None:
+        if closed is None:
             time.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
         return self._closed()

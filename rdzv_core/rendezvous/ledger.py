@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from ..errors import CompareFailedError, ConfigError, KeyExistsError, KeyNotFoundError, RendezvousStateError
-from ..kv import Entry, KVBackend, escape_segment, join_key
+from ..kv import Entry, KVBackend, escape_segment, join_key, wait_for_change
 from .record import RunKeys, encode_json
 
 __all__ = ["QuarantinePolicy", "Offence", "NodeEntry", "NodeLedger", "FailureVerdict", "MAX_COOLDOWN_FACTOR",
@@ -121,6 +121,10 @@ class NodeEntry:
     def quarantined(self, now: float | None = None) -> bool:
         """Whether the node is quarantined at Unix time ``now`` (default: now)."""
         return self.until is not None and (time.time() if now is None else now) < self.until
+
+    def left_out(self, now: float | None = None) -> bool:
+        """Whether the node is quarantined and was not admitted fail-open: the run goes on without it."""
+        return self.quarantined(now) and self.fail_open is None
 
     def state(self, now: float | None = None) -> str:
         """``"quarantined"``, ``"unhealthy"`` (its check fails) or ``"healthy"``."""
@@ -273,23 +277,22 @@ class NodeLedger:
         if kind not in OFFENCE_KINDS:
             raise ConfigError("kind", kind, f"must be one of {', '.join(OFFENCE_KINDS)}")
         offence = Offence(self.clock() if at is None else at, kind, _one_line(detail))
-        policy = self.policy
+        return self.update(name, lambda entry: self._offended(entry, offence, quarantine_now))
 
-        def change(entry: NodeEntry) -> NodeEntry:
-            now = self.clock()
-            recent = tuple(o for o in entry.offences if o.at > now - policy.window) + (offence,)
-            if not policy.enabled or entry.quarantined(now) or (len(recent) < policy.after and not quarantine_now):
-                return replace(entry, offences=recent)
-            count = entry.quarantines + 1
-            until = now + policy.cooldown_of(count)
-            kinds = ", ".join(sorted({o.kind for o in recent}))
-            why = f"{len(recent)} offences ({kinds}) within {policy.window:g} s; the last: {offence.detail}"
-            if len(recent) < policy.after:  # quarantine_now
-                why = f"a {kind} offence, quarantined at once: {offence.detail}"
-            why = _one_line(why)
-            return replace(entry, offences=recent, quarantines=count, until=until, why=why, fail_open=None)
-
-        return self.update(name, change)
+    def _offended(self, entry: NodeEntry, offence: Offence, quarantine_now: bool = False) -> NodeEntry:
+        """``entry`` with ``offence`` added (offences out of the window dropped), quarantined if due (see
+        :meth:`offend`)."""
+        policy, now = self.policy, self.clock()
+        recent = tuple(o for o in entry.offences if o.at > now - policy.window) + (offence,)
+        if not policy.enabled or entry.quarantined(now) or (len(recent) < policy.after and not quarantine_now):
+            return replace(entry, offences=recent)
+        count = entry.quarantines + 1
+        until = now + policy.cooldown_of(count)
+        kinds = ", ".join(sorted({o.kind for o in recent}))
+        why = f"{len(recent)} offences ({kinds}) within {policy.window:g} s; the last: {offence.detail}"
+        if len(recent) < policy.after:  # quarantine_now
+            why = f"a {offence.kind} offence, quarantined at once: {offence.detail}"
+        return replace(entry, offences=recent, quarantines=count, until=until, why=_one_line(why), fail_open=None)
 
     def forgive(self, name: str) -> NodeEntry:
         """Clear node ``name``'s offences and end its quarantine (``rdzv nodes URL --forgive NAME``).
@@ -311,9 +314,13 @@ class NodeLedger:
         entry = self.read(name)
         if entry.check == reason:
             return entry
-        if reason and not entry.check:
-            self.offend(name, "check", reason)
-        return self.update(name, lambda e: replace(e, check=reason))
+
+        def change(entry: NodeEntry) -> NodeEntry:
+            if reason and not entry.check:  # a failing streak begins: one offence
+                entry = self._offended(entry, Offence(self.clock(), "check", reason))
+            return replace(entry, check=reason)
+
+        return self.update(name, change)
 
     def mark_fail_open(self, name: str) -> NodeEntry:
         """Record that quarantined node ``name`` was admitted because the run could not go on without it.
@@ -325,7 +332,7 @@ class NodeLedger:
 
     # -- failures of a round ------------------------------------------------------------------------
     def attribute(self, name: str, version: int, rid: str | None, at: float, detail: str, settle: float,
-                  peer: bool = False, sleep: Callable[[float], None] = time.sleep) -> FailureVerdict:
+                  peer: bool = False) -> FailureVerdict:
         """Report that node ``name``'s workers failed in round ``(version, rid)`` at Unix time ``at`` (its first
         worker's exit), and find who failed first: once the round's reports earlier than ``at`` had ``settle``
         seconds to arrive (at once when one already has), the earliest report's node. If that is ``name``, the
@@ -340,35 +347,35 @@ class NodeLedger:
         directory = self.failures_dir(version, rid)
         self.kv.put(directory + escape_segment(name), encode_json({"node": name, "at": round(at, 6), "peer": peer,
                                                                      "detail": _one_line(detail)}))
+        entries, revision = self.kv.list(directory)
         if peer:
-            earliest = self._earliest(directory)
+            earliest = _earliest(entries)
             return FailureVerdict(earliest[1] if earliest is not None else None, False, self.read(name))
-        while True:
-            earliest = self._earliest(directory)
+        while True:  # until a report earlier than this one is in, or reports up to ``at`` had ``settle`` s
+            earliest = _earliest(entries)
             if earliest is not None and earliest[1] != name and earliest[0] <= at:
                 return FailureVerdict(earliest[1], False, self.read(name))
             remaining = at + settle - self.clock()
-            if remaining <= 0:
+            if remaining <= 0 or not wait_for_change(self.kv, directory, revision, time.monotonic() + remaining,
+                                                     read_revision=revision):
                 break
-            sleep(min(remaining, 0.1))
-        earliest = self._earliest(directory)
-        culprit = earliest[1] if earliest is not None else name
-        if culprit != name:
-            return FailureVerdict(culprit, False, self.read(name))
+            entries, revision = self.kv.list(directory)
+        # no earlier report came (this node's own is in every listing): it failed first
         return FailureVerdict(name, True, self.offend(name, "failed", detail, at))
 
-    def _earliest(self, directory: str) -> tuple[float, str] | None:
-        """``(at, node)`` of the round's earliest failure report that is not a peer's loss (ties: the smaller
-        name), or ``None``."""
-        best: tuple[float, str] | None = None
-        for entry in self.kv.list(directory)[0]:
-            try:
-                data = json.loads(entry.value.decode("utf-8"))
-                report = (float(data["at"]), str(data["node"]))
-            except (UnicodeDecodeError, ValueError, TypeError, KeyError):
-                continue  # not a report this module wrote
-            if data.get("peer"):
-                continue
-            if best is None or report < best:
-                best = report
-        return best
+
+def _earliest(entries: list[Entry]) -> tuple[float, str] | None:
+    """``(at, node)`` of the earliest failure report among ``entries`` (a listing of a round's reports) that is not
+    a peer's loss (ties: the smaller name), or ``None``."""
+    best: tuple[float, str] | None = None
+    for entry in entries:
+        try:
+            data = json.loads(entry.value.decode("utf-8"))
+            report = (float(data["at"]), str(data["node"]))
+        except (UnicodeDecodeError, ValueError, TypeError, KeyError):
+            continue  # not a report this module wrote
+        if data.get("peer"):
+            continue
+        if best is None or report < best:
+            best = report
+    return best

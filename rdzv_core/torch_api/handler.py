@@ -428,7 +428,7 @@ class RdzvHandler(torch_api.RendezvousHandler):
         except (errors.BackendUnavailableError, errors.BackendClosedError) as exc:
             log.warning("run %s: could not read node %s's ledger entry: %s", self._rdzv.run_id, name, exc)
             return False
-        return entry.quarantined() and entry.fail_open is None
+        return entry.left_out()
 
     def _close_unless_others_carry_on(self) -> bool:
         """``set_closed()`` unless the run goes on without this node (see :meth:`shutdown`); True."""

@@ -37,6 +37,14 @@ def _handlers(url: str) -> list:
     return [create_handler(url, local_addr="127.0.0.1", node_name=f"n{i}") for i in range(4)]
 
 
+def _three_and_one_without(tmp_path, **q: object) -> list:
+    """n0-n2 with the check (``q`` in their URLs and n3's), n3 with ``network_check=0``: one fresh run."""
+    run_id, base = f"nc{uuid.uuid4().hex[:8]}", f"file://{tmp_path}/"
+    without = {k: v for k, v in q.items() if not k.startswith("network_check")}
+    return [*_handlers(_url(base, run_id, **q))[:3],
+            create_handler(_url(base, run_id, **without, network_check=0), local_addr="127.0.0.1", node_name="n3")]
+
+
 def test_a_round_of_healthy_links_passes_the_check(tmp_path, caplog) -> None:
     url = _url(f"file://{tmp_path}/", f"nc{uuid.uuid4().hex[:8]}")
     handlers = _handlers(url)
@@ -103,10 +111,7 @@ def test_a_slow_node_is_kept_when_the_round_cannot_go_on_without_it(tmp_path, mo
 def test_a_node_without_the_check_is_not_judged(tmp_path, caplog) -> None:
     """n3 runs without network_check: it publishes no address, the others' links with it are not measured, and
     nobody is left out (a WARNING says that it took no part)."""
-    run_id = f"nc{uuid.uuid4().hex[:8]}"
-    url = _url(f"file://{tmp_path}/", run_id, network_check_timeout=3)
-    handlers = [*_handlers(url)[:3], create_handler(_url(f"file://{tmp_path}/", run_id, network_check=0),
-                                                    local_addr="127.0.0.1", node_name="n3")]
+    handlers = _three_and_one_without(tmp_path, network_check_timeout=3)
     outcome: dict = {}
     caplog.set_level(logging.WARNING, logger="rdzv_core.torch_api.netcheck")
     threads = [_run(handlers, outcome, f"n{i}") for i in range(4)]
@@ -124,10 +129,7 @@ def test_nobody_is_left_out_while_a_member_takes_no_part(tmp_path) -> None:
     """n3 runs without network_check and joins last (the highest rank: the ring successor of a checking node, as
     a late node on another host): the links that depended on it are not all measured, so nobody is judged --
     every node stays in the one round (none re-forms, so none is stranded in it) and nobody is charged."""
-    run_id = f"nc{uuid.uuid4().hex[:8]}"
-    url = _url(f"file://{tmp_path}/", run_id, network_check_timeout=8, rank_policy="join")
-    handlers = [*_handlers(url)[:3], create_handler(_url(f"file://{tmp_path}/", run_id, network_check=0,
-                                                         rank_policy="join"), local_addr="127.0.0.1", node_name="n3")]
+    handlers = _three_and_one_without(tmp_path, network_check_timeout=8, rank_policy="join")
     outcome: dict = {}
     threads = [_run(handlers, outcome, f"n{i}") for i in range(3)]
     observer = handlers[0].rendezvous
